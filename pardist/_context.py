@@ -1,0 +1,66 @@
+"""The step context: what a running data-parallel step tells the code inside it.
+
+It sits low in the package so that ``pardist.grad``, the optimizers and batch norm
+can read the active step (its mesh, axis, donated inputs, reducers) without
+importing ``data_parallel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pardist._mesh import Mesh
+
+__all__ = ["StepContext", "current_step", "debug_enabled", "entered", "is_donated"]
+
+
+@dataclasses.dataclass
+class StepContext:
+    """One call of a data-parallel step, as seen from inside it."""
+
+    name: str  # "pardist.data_parallel(train_step)", for error messages
+    mesh: Mesh
+    axis: tuple[str, ...]
+    size: int  # product of the axis sizes
+    varying: set[int]  # ids of input leaves sharded over the step's axis
+    donated: set[int]  # ids of input leaves the caller donated
+    reducers: dict[Any, Any]  # persistent across calls: key -> pardist._reducer.Reducer
+    compression: torch.dtype | None = None
+    overlap: bool = False
+    bucket_bytes: int = 25 * 2**20
+    first_bucket_bytes: int = 2**20
+
+
+_active: list[StepContext] = []
+
+
+def current_step() -> StepContext | None:
+    """The innermost running data-parallel step, or None outside of one."""
+    return _active[-1] if _active else None
+
+
+@contextlib.contextmanager
+def entered(ctx: StepContext) -> Iterator[StepContext]:
+    _active.append(ctx)
+    try:
+        with ctx.mesh:
+            yield ctx
+    finally:
+        _active.pop()
+
+
+def is_donated(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor was donated to the running step (so may be updated in place)."""
+    ctx = current_step()
+    return bool(ctx and tensors) and all(id(t) in ctx.donated for t in tensors)
+
+
+def debug_enabled() -> bool:
+    """``PARDIST_DEBUG=1``: check replicated values on every call, not only the first."""
+    return os.environ.get("PARDIST_DEBUG", "") not in ("", "0")

@@ -1,0 +1,216 @@
+"""``data_parallel``: run a pure step on every rank's shard of the batch.
+
+No module is wrapped and no hook is installed: the step is an ordinary function
+of parameter trees. ``data_parallel`` reads the specs (which inputs are shards of
+a global batch, which are replicated), checks on the first call (and under
+``PARDIST_DEBUG=1``) that replicated values really agree across ranks, and runs
+the step inside a context that ``pardist.grad``, the optimizers and batch norm
+read: the mesh, the axis, what was donated, and the persistent gradient buckets.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pardist import _mesh, _replication, _specs, _tree
+from pardist._context import StepContext, debug_enabled, entered
+from pardist._specs import P
+
+__all__ = ["data_parallel"]
+
+_COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
+
+
+class _Step:
+    """The function ``data_parallel`` returns; holds what persists between calls."""
+
+    def __init__(self, fn: Callable, axis, in_specs, out_specs, mesh, donate_argnums,
+                 compression, overlap, bucket_mb):
+        functools.update_wrapper(self, fn)
+        self.fn, self.axis, self.mesh = fn, axis, mesh
+        self.in_specs, self.out_specs = in_specs, out_specs
+        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) \
+            else tuple(donate_argnums)
+        if compression not in _COMPRESSION:
+            raise ValueError(f"{self.where}: compression={compression!r}; use None, 'bf16' "
+                             "or 'fp16'.")
+        self.compression = _COMPRESSION[compression]
+        self.overlap, self.bucket_mb = overlap, bucket_mb
+        self.reducers: dict = {}
+        self.calls = 0
+        self._specs_cache: dict = {}
+        self._consumed: dict[int, weakref.ref] = {}  # donated leaves that are now invalid
+
+    @property
+    def where(self) -> str:
+        return f"pardist.data_parallel({getattr(self.fn, '__name__', 'fn')})"
+
+    def _leaf_specs(self, args: tuple, mesh: _mesh.Mesh, axes: tuple[str, ...]):
+        treedef = _tree.tree_flatten(args)[1]
+        key = (treedef, id(mesh))
+        if key not in self._specs_cache:
+            specs = self.in_specs
+            if specs is None:  # the step(params, opt_state, batch) convention
+                specs = tuple(P() for _ in args[:-1]) + (P(axes if len(axes) > 1 else axes[0]),)
+            elif not isinstance(specs, (tuple, list)) or len(specs) != len(args):
+                raise ValueError(
+                    f"{self.where}: in_specs must be a tuple with one spec tree per positional "
+                    f"argument; got {_count(specs)} for {len(args)} arguments.")
+            flat = _specs.flat_specs(tuple(specs), args, where=self.where,
+                                     specs_name="in_specs", tree_name="args")
+            for (path, leaf), spec in zip(_tree.leaves_with_paths(args, "args"), flat):
+                _specs.check_fits(spec, leaf, path, mesh, where=self.where,
+                                  spec_path=f"the in_spec of {path}")
+            self._specs_cache[key] = flat
+        return self._specs_cache[key]
+
+    def __call__(self, *args, **kwargs):
+        mesh = self.mesh or _mesh.current_mesh(self.where.removeprefix("pardist."))
+        axes = mesh.axes(self.axis, self.where.removeprefix("pardist."))
+        specs = self._leaf_specs(args, mesh, axes)
+        named = _tree.leaves_with_paths(args, "args")
+        leaves = [leaf for _, leaf in named]
+        self._check_not_consumed(named)
+        check = self.calls == 0 or debug_enabled()
+        group = mesh.group(axes) if check else None
+        if check:
+            replicated = [(p, x) for (p, x), s in zip(named, specs) if not set(s.axes) & set(axes)]
+            problem = _replication.mismatch(replicated, group)
+            if problem:
+                raise ValueError(
+                    f"{self.where}: replicated inputs must be identical on every rank of "
+                    f"axis {self.axis!r}, but {problem}. Build them the same way on every rank "
+                    "(seed before creating the model: pardist.seed_everything(0)), or copy "
+                    "rank 0's values with pardist.broadcast(tree); if the input is a per-rank "
+                    "shard, give it a sharded spec such as P('gpu') in in_specs.")
+        donated = {id(x) for i in self.donate_argnums for x in _tree.tree_leaves(args[i])
+                   if isinstance(x, torch.Tensor)}
+        ctx = StepContext(
+            name=self.where, mesh=mesh, axis=axes, size=mesh.size(axes),
+            varying={id(x) for x, s in zip(leaves, specs) if set(s.axes) & set(axes)},
+            donated=donated, reducers=self.reducers, compression=self.compression,
+            overlap=_default_overlap(leaves) if self.overlap is None else self.overlap,
+            bucket_bytes=int(self.bucket_mb * 2**20))
+        with entered(ctx):
+            out = self.fn(*args, **kwargs)
+        self.calls += 1
+        if check:
+            self._check_outputs(out, mesh, axes, group)
+        if donated:
+            kept = {id(x) for x in _tree.tree_leaves(out)}
+            for x in leaves:
+                if id(x) in donated and id(x) not in kept:
+                    self._consumed[id(x)] = weakref.ref(x)
+        return out
+
+    def _check_not_consumed(self, named: list[tuple[str, Any]]) -> None:
+        if not self._consumed:
+            return
+        for path, leaf in named:
+            ref = self._consumed.get(id(leaf))
+            if ref is not None and ref() is leaf:
+                raise ValueError(
+                    f"{self.where}: {path} was donated to an earlier call "
+                    f"(donate_argnums={self.donate_argnums}) and may have been overwritten. "
+                    "Pass the value that call returned instead (params, opt_state = "
+                    "step(params, opt_state, batch)), or drop it from donate_argnums.")
+        self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
+
+    def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes: tuple[str, ...], group) -> None:
+        specs = self.out_specs
+        named = _tree.leaves_with_paths(out, "output")
+        flat = (_specs.flat_specs(specs, out, where=self.where, specs_name="out_specs",
+                                  tree_name="output") if specs is not None
+                else [P()] * len(named))
+        for (path, leaf), spec in zip(named, flat):
+            _specs.check_fits(spec, leaf, path, mesh, where=self.where,
+                              spec_path=f"the out_spec of {path}")
+        replicated = [(p, x) for (p, x), s in zip(named, flat) if not set(s.axes) & set(axes)]
+        problem = _replication.mismatch(replicated, group)
+        if problem:
+            axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)
+            raise ValueError(
+                f"{self.where}: {problem}, but out_specs says it is replicated (P()). "
+                f"If it holds gradients from torch.func.grad, use pardist.grad, which "
+                f"averages them over {axis!r}; if it is a per-rank value (a local loss), "
+                f"reduce it with pardist.pmean(x, {axis!r}) or give it a sharded out_spec "
+                f"such as P({axis!r}).")
+
+
+def _count(specs: Any) -> str:
+    return str(len(specs)) if isinstance(specs, (tuple, list)) else f"a {type(specs).__name__}"
+
+
+def _default_overlap(leaves: Sequence[Any]) -> bool:
+    # Overlapping the all-reduce with the backward wins where communication runs on
+    # its own engine (NCCL on a GPU); on CPU, gloo competes with the backward for
+    # the same cores (measured: no gain), so the reduction waits for the backward.
+    return any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in leaves)
+
+
+def data_parallel(fn: Callable | None = None, axis: str | tuple[str, ...] = "gpu", *,
+                  in_specs: Sequence[Any] | None = None, out_specs: Any = None,
+                  mesh: _mesh.Mesh | None = None, donate_argnums: int | Sequence[int] = (),
+                  compression: str | torch.dtype | None = None, overlap: bool | None = None,
+                  bucket_mb: float = 25.0):
+    """Make ``fn`` a data-parallel step over ``axis``: each rank calls it with its own data.
+
+    By default every positional argument is replicated except the last, whose
+    leaves are this rank's shard of the global batch along dim 0: the
+    ``step(params, opt_state, batch)`` convention. Inside the step,
+    :func:`pardist.grad` averages the gradients of replicated inputs over
+    ``axis``, so N ranks compute what one process would on the whole batch.
+
+    Args:
+        fn: the step. Also usable as a decorator: ``@data_parallel(axis='gpu')``.
+        axis: the mesh axis (or tuple of axes, reduced innermost first) to be
+            data parallel over.
+        in_specs: a tuple with one spec tree per positional argument (each a
+            prefix of that argument's tree): ``P()`` replicated, ``P('gpu')`` dim 0
+            split over 'gpu'. Keyword arguments are always replicated.
+        out_specs: a spec tree for the output; default: all replicated. Replicated
+            outputs must agree across ranks; the first call (and every call under
+            ``PARDIST_DEBUG=1``) checks, naming the output path that differs.
+        mesh: the mesh to use; default: the innermost ``with mesh:``, else ``init``'s.
+        donate_argnums: arguments the caller gives up: the step may reuse their
+            storage for its outputs (the optimizers then update in place). The
+            caller must not use them after the call; passing one again is an error.
+        compression: 'bf16' or 'fp16' to communicate gradients in half precision,
+            as DDP's compression hooks do; None for full precision.
+        overlap: start each gradient bucket's all-reduce during the backward.
+            Default: on for accelerators, off for CPU (where it only competes for cores).
+        bucket_mb: gradient bucket size in MiB (DDP's ``bucket_cap_mb``).
+
+    Returns:
+        A function with ``fn``'s signature.
+
+    Example:
+        >>> import pardist, torch
+        >>> _ = pardist.init()
+        >>> @pardist.data_parallel(axis='gpu')
+        ... def step(w, batch):
+        ...     g = pardist.grad(lambda w, b: (b @ w).pow(2).mean())(w, batch)
+        ...     return w - 0.1 * g
+        >>> step(torch.ones(2), torch.ones(4, 2))
+        tensor([0.6000, 0.6000])
+        >>> pardist.shutdown()
+    """
+    options = dict(axis=axis, in_specs=in_specs, out_specs=out_specs, mesh=mesh,
+                   donate_argnums=donate_argnums, compression=compression, overlap=overlap,
+                   bucket_mb=bucket_mb)
+    if fn is None:
+        return lambda f: data_parallel(f, **options)
+    if isinstance(fn, str):
+        raise TypeError("pardist.data_parallel: the first argument is the step function; "
+                        f"write data_parallel(axis={fn!r}) to use it as a decorator.")
+    if in_specs is not None and not isinstance(in_specs, (tuple, list)):
+        raise TypeError("pardist.data_parallel: in_specs must be a tuple with one spec tree "
+                        f"per positional argument, got a {type(in_specs).__name__}.")
+    return _Step(fn, axis, in_specs, out_specs, mesh, donate_argnums, compression, overlap,
+                 bucket_mb)

@@ -1,0 +1,84 @@
+"""``functional(module)``: an ordinary nn.Module as a pure function of its tensors.
+
+Nothing is wrapped: pardist keeps a private skeleton of the module (its
+parameters on the meta device, so no memory is duplicated) and runs it with
+``torch.func.functional_call`` on the tensors you pass. Batch norm writes its
+running statistics in place; ``apply`` gives it fresh copies of the buffers and
+hands those back, so the caller's tensors are never mutated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pardist import _collectives
+from pardist._batchnorm import convert_batchnorm
+from pardist._context import current_step
+
+__all__ = ["functional"]
+
+
+def _meta_skeleton(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose tensors live on the meta device (no data copied)."""
+    memo: dict[int, Any] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, dict, dict]:
+    """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
+
+    Args:
+        module: any ``nn.Module``; it is not changed, and later changes to it do
+            not affect ``apply``.
+        sync_bn: inside a data-parallel step, batch norm uses statistics over the
+            whole global batch (fastai's default ``sync_bn=True``), so N ranks
+            train exactly as one process on the concatenated batch. With
+            ``sync_bn=False`` each rank normalises with its own shard's
+            statistics (as DDP does without SyncBatchNorm) and the running
+            statistics that ``apply`` returns are averaged over the axis, so that
+            every replica keeps the same buffers.
+
+    Returns:
+        ``(apply, params, buffers)``: detached copies of the parameters and
+        buffers, keyed by their ``named_parameters`` / ``named_buffers`` names,
+        and ``apply(params, buffers, *inputs, train=True, **kwargs) ->
+        (outputs, new_buffers)``, which mutates none of its arguments.
+
+    Example:
+        >>> import pardist, torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+        >>> apply, params, buffers = pardist.functional(net)
+        >>> out, new_buffers = apply(params, buffers, torch.randn(4, 3))
+        >>> out.shape, bool((buffers['1.running_mean'] == 0).all())
+        (torch.Size([4, 2]), True)
+    """
+    params = {name: p.detach().clone() for name, p in module.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    skeleton = _meta_skeleton(module)
+    if sync_bn:
+        convert_batchnorm(skeleton)
+    mode = {"train": skeleton.training}
+
+    def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
+        if mode["train"] != train:
+            skeleton.train(train)
+            mode["train"] = train
+        new_buffers = {name: b.clone() for name, b in buffers.items()}
+        out = torch.func.functional_call(skeleton, (params, new_buffers), inputs, kwargs,
+                                         strict=True)
+        ctx = current_step()
+        if train and not sync_bn and ctx is not None and ctx.size > 1:
+            floating = {k: v for k, v in new_buffers.items() if v.is_floating_point()}
+            new_buffers.update(_collectives.pmean(floating, ctx.axis))
+        return out, new_buffers
+
+    apply.__doc__ = f"Pure forward of {type(module).__name__}: (outputs, new_buffers)."
+    return apply, params, buffers

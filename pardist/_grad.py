@@ -1,0 +1,319 @@
+"""``pardist.grad`` and ``pardist.value_and_grad``: torch.func's, plus the gradient mean.
+
+Inside a data-parallel step the gradient with respect to a replicated input is
+averaged over the step's axis: the gradient of the global-batch loss. That is the
+transpose of replication (identity forward, mean backward), so it must happen
+*inside* the function being differentiated; applied to a step's inputs outside
+the transform, the backward would never run. In the common case (not nested in
+another torch.func transform) the backward of that identity hands each gradient
+to a bucketed :class:`~pardist._reducer.Reducer` the moment autograd produces it,
+which is how torch DDP overlaps communication with the backward. Nested in
+another transform, each gradient is averaged by a differentiable collective.
+
+Outside a step both functions are exactly torch.func's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import einops
+import torch
+import torch.func
+
+from pardist import _collectives, _tree
+from pardist._context import StepContext, current_step
+from pardist._reducer import Reducer
+
+__all__ = ["grad", "value_and_grad"]
+
+
+class _Contribute(torch.autograd.Function):
+    """Identity forward; the backward hands the gradient to the reducer."""
+
+    @staticmethod
+    def forward(x, reducer, index):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.reducer, ctx.index = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.reducer.add(ctx.index, g)
+        return None, None, None  # the caller reads the reduced gradient from the reducer
+
+
+class _MeanGrad(torch.autograd.Function):
+    """Identity forward; the backward is a differentiable mean over the groups."""
+
+    @staticmethod
+    def forward(x, groups, size):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.groups, ctx.size = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _collectives._Psum.apply(g, ctx.groups) / ctx.size, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, size):
+        return _MeanGrad.apply(x, groups, size), in_dims[0]
+
+
+def _argnums_tuple(argnums: int | tuple[int, ...], nargs: int, where: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or any(not isinstance(n, int) or not -nargs <= n < nargs for n in nums):
+        raise ValueError(
+            f"{where}: argnums={argnums!r} does not name arguments of a call with "
+            f"{nargs} positional arguments."
+        )
+    return tuple(n % nargs for n in nums)
+
+
+def _split(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"{where}: with has_aux=True, f must return (value, aux).")
+        value, aux = out
+    else:
+        value, aux = out, None
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+        what = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"{where}: f must return a floating-point scalar tensor to differentiate, got "
+            f"{what}. Reduce it first (e.g. loss.mean())."
+        )
+    return value, aux
+
+
+def _micro_batches(args: tuple, batch_argnums: tuple[int, ...], k: int, where: str) -> list[tuple]:
+    """Split the batch arguments along dim 0 into ``k`` micro-batches (einops)."""
+    if k == 1:
+        return [args]
+    split = list(args)
+    for n in batch_argnums:
+        for path, leaf in _tree.leaves_with_paths(args[n], f"args[{n}]"):
+            if isinstance(leaf, torch.Tensor) and leaf.ndim and leaf.shape[0] % k:
+                raise ValueError(
+                    f"{where}: accumulate={k} cannot split {path} of shape "
+                    f"{tuple(leaf.shape)} into equal micro-batches along dim 0; use a batch "
+                    f"size divisible by {k}."
+                )
+        split[n] = _tree.tree_map(
+            lambda x: einops.rearrange(x, "(k b) ... -> k b ...", k=k)
+            if isinstance(x, torch.Tensor) and x.ndim else x, args[n])
+    return [tuple(_tree.tree_map(lambda x: x[j] if isinstance(x, torch.Tensor) and x.ndim
+                                 else x, a) if i in batch_argnums else a
+                  for i, a in enumerate(split)) for j in range(k)]
+
+
+def _stack(items: list[Any]) -> Any:
+    if len(items) == 1 or items[0] is None:
+        return items[0]
+    flat = [_tree.tree_flatten(item)[0] for item in items]
+    spec = _tree.tree_flatten(items[0])[1]
+    leaves = [torch.stack(column) if isinstance(column[0], torch.Tensor) else list(column)
+              for column in zip(*flat)]
+    return _tree.tree_unflatten(leaves, spec)
+
+
+def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
+    key = (tuple((t.shape, t.dtype, t.device) for t in like), ctx.axis, ctx.compression,
+           ctx.overlap, ctx.bucket_bytes, ctx.first_bucket_bytes)
+    if key not in ctx.reducers:
+        ctx.reducers[key] = Reducer(
+            like, ctx.mesh.groups(ctx.axis), ctx.size, comm_dtype=ctx.compression,
+            overlap=ctx.overlap, bucket_bytes=ctx.bucket_bytes,
+            first_bucket_bytes=ctx.first_bucket_bytes)
+    return ctx.reducers[key]
+
+
+def _in_transform(leaves: list[torch.Tensor]) -> bool:
+    """Inside another torch.func transform, or under an outer autograd graph."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+
+
+def _compute(f: Callable, argnums, has_aux: bool, accumulate: int, batch_argnums,
+             args: tuple, kwargs: dict, where: str):
+    """Returns (value, aux, grads) with grads shaped like ``args[argnums]``."""
+    nums = _argnums_tuple(argnums, len(args), where)
+    batch_nums = tuple(n for n in _argnums_tuple(batch_argnums, len(args), where)
+                       if n not in nums)
+    ctx = current_step()
+    trees = [args[n] for n in nums]
+    flat = [_tree.check_tensor_leaves(t, where=where, name=f"args[{n}]")
+            for n, t in zip(nums, trees)]
+    leaves = [leaf for part in flat for leaf in part]
+    for n, part in zip(nums, flat):
+        for path, leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), part):
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                raise TypeError(f"{where}: {path[0]} has dtype {leaf.dtype}; only "
+                                "floating-point tensors can be differentiated.")
+    replicated = [ctx is not None and id(t) not in ctx.varying for t in leaves]
+    reduce = ctx is not None and ctx.size > 1 and any(replicated)
+    if ctx is None or _in_transform(leaves):
+        return _compute_functorch(f, nums, has_aux, accumulate, batch_nums, args, kwargs,
+                                  ctx, replicated, where)
+    reducer = None
+    if reduce or accumulate > 1:
+        rep = [t for t, r in zip(leaves, replicated) if r]
+        reducer = _reducer(ctx, rep) if reduce else Reducer(rep, [], 1)
+        slot = {i: j for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
+        reducer.begin(accumulate)
+    local_sum: list[torch.Tensor | None] = [None] * len(leaves)
+    values, auxes = [], []
+    for j, margs in enumerate(_micro_batches(args, batch_nums, accumulate, where)):
+        if reducer is not None and j == accumulate - 1:
+            reducer.last_micro_batch()
+        inputs = [t.detach().requires_grad_() for t in leaves]
+        wrapped = [_Contribute.apply(x, reducer, slot[i]) if reducer is not None and replicated[i]
+                   else x for i, x in enumerate(inputs)]
+        call = list(margs)
+        start = 0
+        for n, part in zip(nums, flat):
+            call[n] = _tree.tree_unflatten(wrapped[start:start + len(part)],
+                                           _tree.tree_flatten(args[n])[1])
+            start += len(part)
+        with torch.enable_grad():
+            value, aux = _split(f(*call, **kwargs), has_aux, where)
+        wanted = [i for i, x in enumerate(inputs) if reducer is None or not replicated[i]]
+        if value.requires_grad:
+            got = torch.autograd.grad(value, inputs, allow_unused=True)
+            for i in wanted:
+                if got[i] is not None:
+                    local_sum[i] = got[i] if local_sum[i] is None else local_sum[i] + got[i]
+        values.append(value.detach())
+        auxes.append(_tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux))
+    reduced = reducer.finish() if reducer is not None else []
+    grads = []
+    for i, t in enumerate(leaves):
+        if reducer is not None and replicated[i]:
+            grads.append(reduced[slot[i]])
+        elif local_sum[i] is None:
+            grads.append(torch.zeros_like(t))
+        else:
+            grads.append(local_sum[i] / accumulate if accumulate > 1 else local_sum[i])
+    value = torch.stack(values).mean() if accumulate > 1 else values[0]
+    return value, _stack(auxes), _regroup(grads, nums, flat, args)
+
+
+def _regroup(grads: list, nums: tuple, flat: list, args: tuple) -> Any:
+    out, start = [], 0
+    for n, part in zip(nums, flat):
+        out.append(_tree.tree_unflatten(grads[start:start + len(part)],
+                                        _tree.tree_flatten(args[n])[1]))
+        start += len(part)
+    return out[0] if len(nums) == 1 else tuple(out)
+
+
+def _compute_functorch(f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx,
+                       replicated, where):
+    """torch.func.grad, with a differentiable mean on replicated inputs inside a step."""
+    groups = ctx.mesh.groups(ctx.axis) if ctx is not None else []
+    flags = iter(replicated)
+    marks = {n: _tree.tree_map(lambda _: next(flags), args[n]) for n in nums}
+
+    def marked(*call):
+        call = list(call)
+        if groups:
+            for n in nums:
+                call[n] = _tree.tree_map(
+                    lambda x, r: _MeanGrad.apply(x, groups, ctx.size) if r else x,
+                    call[n], marks[n])
+        return f(*call, **kwargs)
+
+    results = []
+    for margs in _micro_batches(args, batch_nums, accumulate, where):
+        g, out = torch.func.grad_and_value(marked, argnums=nums if len(nums) > 1 else nums[0],
+                                           has_aux=has_aux)(*margs)
+        value, aux = out if has_aux else (out, None)
+        results.append((value, aux, g))
+    if accumulate == 1:
+        return results[0]
+    grads = _tree.tree_map(lambda *gs: sum(gs) / accumulate, *[r[2] for r in results])
+    value = torch.stack([r[0] for r in results]).mean()
+    return value, _stack([r[1] for r in results]), grads
+
+
+def grad(f: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
+         accumulate: int = 1, batch_argnums: int | tuple[int, ...] = -1) -> Callable:
+    """The gradient of ``f`` with respect to ``args[argnums]``, as ``torch.func.grad``.
+
+    Inside a :func:`pardist.data_parallel` step, the gradient with respect to a
+    replicated input is its mean over the step's axis (computed in buckets while
+    the backward runs); inputs sharded over the axis keep their local gradient.
+    Outside a step it is exactly ``torch.func.grad``.
+
+    Args:
+        f: a function returning a scalar tensor (and aux, with ``has_aux``).
+        argnums: which positional argument(s) to differentiate.
+        has_aux: ``f`` returns ``(value, aux)``; the result is then ``(grads, aux)``.
+        accumulate: split the batch into this many micro-batches (along dim 0,
+            with einops) and run them one after another, reducing once: the
+            result equals one pass over the whole batch, in less memory. ``aux``
+            then comes back stacked along a new leading dim of size ``accumulate``.
+        batch_argnums: the argument(s) that hold the batch, for ``accumulate``.
+
+    Example:
+        >>> import pardist, torch
+        >>> def loss(w, x):
+        ...     return (x @ w).pow(2).mean()
+        >>> w, x = torch.ones(3), torch.arange(6.).reshape(2, 3)
+        >>> pardist.grad(loss)(w, x)
+        tensor([ 9., 15., 21.])
+        >>> pardist.grad(loss, accumulate=2)(w, x)
+        tensor([ 9., 15., 21.])
+    """
+    where = f"pardist.grad({getattr(f, '__name__', 'f')})"
+
+    @functools.wraps(f)
+    def grad_f(*args, **kwargs):
+        if current_step() is None and accumulate == 1:
+            return torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
+        _, aux, grads = _compute(f, argnums, has_aux, accumulate, batch_argnums, args,
+                                 kwargs, where)
+        return (grads, aux) if has_aux else grads
+
+    return grad_f
+
+
+def value_and_grad(f: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
+                   accumulate: int = 1, batch_argnums: int | tuple[int, ...] = -1) -> Callable:
+    """``(value, grads)`` (JAX's order), or ``((value, aux), grads)`` with ``has_aux``.
+
+    Inside a data-parallel step the gradients are those of the global objective,
+    the mean of ``f`` over the step's axis, and so is the returned value (a
+    scalar all-reduce); ``aux`` stays per rank. Outside a step this is
+    ``torch.func.grad_and_value`` with its results swapped. Arguments as for
+    :func:`grad`.
+
+    Example:
+        >>> import pardist, torch
+        >>> value, g = pardist.value_and_grad(lambda w: (w * w).sum())(torch.ones(2))
+        >>> value, g
+        (tensor(2.), tensor([2., 2.]))
+    """
+    where = f"pardist.value_and_grad({getattr(f, '__name__', 'f')})"
+
+    @functools.wraps(f)
+    def value_and_grad_f(*args, **kwargs):
+        ctx = current_step()
+        if ctx is None and accumulate == 1:
+            grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
+            return out, grads
+        value, aux, grads = _compute(f, argnums, has_aux, accumulate, batch_argnums, args,
+                                     kwargs, where)
+        if ctx is not None and ctx.size > 1:
+            value = _collectives.pmean(value, ctx.axis)
+        return ((value, aux) if has_aux else value), grads
+
+    return value_and_grad_f

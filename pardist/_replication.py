@@ -1,0 +1,78 @@
+"""Checking that values meant to be replicated really are the same on every rank.
+
+Diverging replicas are the silent failure of data parallelism: a step that used
+``torch.func.grad`` and forgot the gradient mean, parameters initialised with
+different seeds, a per-rank loss returned as if it were global. The check costs
+one small gather of a fingerprint per tensor, so it runs on a step's first call
+and on every call under ``PARDIST_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["fingerprint", "mismatch"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of ``t``'s bit patterns: equal tensors give equal fingerprints."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    bits = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
+    return torch.stack([bits.sum(), (bits * bits).sum()])
+
+
+def _describe(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", str(leaf.dtype), tuple(leaf.shape))
+    if isinstance(leaf, (int, float, bool, str, type(None))):
+        return ("value", leaf)
+    return ("object", type(leaf).__name__)
+
+
+def _show(description: Any) -> str:
+    kind, *rest = description
+    if kind == "tensor":
+        return f"shape {rest[1]} ({rest[0].replace('torch.', '')})"
+    return repr(rest[0])
+
+
+def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | None:
+    """Compare ``[(path, leaf)]`` across ``group``; describe the first difference, or None.
+
+    Every rank of ``group`` must call this with its own values.
+    """
+    if dist.get_world_size(group) == 1:
+        return None
+    ranks = dist.get_process_group_ranks(group)
+    mine = [(path, _describe(leaf)) for path, leaf in named]
+    gathered: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(gathered, mine, group=group)
+    for r, theirs in zip(ranks[1:], gathered[1:]):
+        if len(theirs) != len(gathered[0]):
+            return (f"the tree has {len(gathered[0])} leaves on rank {ranks[0]} but "
+                    f"{len(theirs)} on rank {r}")
+        for (path, a), (_, b) in zip(gathered[0], theirs):
+            if a != b:
+                return f"{path} is {_show(a)} on rank {ranks[0]} but {_show(b)} on rank {r}"
+    tensors = [leaf for _, leaf in named if isinstance(leaf, torch.Tensor)]
+    if not tensors:
+        return None
+    device = tensors[0].device  # the default backend pairs each device with its own
+    prints = torch.stack([fingerprint(t).to(device) for t in tensors])
+    everyone = [torch.empty_like(prints) for _ in ranks]
+    dist.all_gather(everyone, prints, group=group)
+    paths = [path for path, leaf in named if isinstance(leaf, torch.Tensor)]
+    for r, theirs in zip(ranks[1:], everyone[1:]):
+        differs = (theirs != everyone[0]).any(dim=1).nonzero()
+        if len(differs):
+            return f"{paths[int(differs[0])]} differs between rank {ranks[0]} and rank {r}"
+    return None

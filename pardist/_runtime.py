@@ -1,0 +1,225 @@
+"""The process group: starting it, tearing it down, and who this process is.
+
+Everything here reads the torchrun environment (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). A plain ``python`` process has
+none of it and counts as world size 1, so one script runs under both launchers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "device",
+    "distributed",
+    "init",
+    "is_initialized",
+    "is_main",
+    "local_rank",
+    "require_init",
+    "rank",
+    "rank0_first",
+    "shutdown",
+    "world_size",
+]
+
+# Collectives that never complete (a rank that crashed or skipped one) must turn
+# into errors, not hangs. torch's default is 30 minutes; ten is long enough for a
+# slow first CUDA step and short enough that a broken job is noticed.
+DEFAULT_TIMEOUT_S = 600.0
+
+_owns_group = False
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def rank() -> int:
+    """This process's global rank (0 in a plain ``python`` process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0)
+
+
+def world_size() -> int:
+    """How many processes take part (1 in a plain ``python`` process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", 1)
+
+
+def local_rank() -> int:
+    """This process's rank on its own machine, as torchrun sets ``LOCAL_RANK``."""
+    return _env_int("LOCAL_RANK", 0)
+
+
+def is_main() -> bool:
+    """True on global rank 0, the process that should print and write files."""
+    return rank() == 0
+
+
+def _accelerator_type() -> str | None:
+    """The accelerator's device type ('cuda', 'xpu', ...) if one is usable, else None."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.current_accelerator().type
+    if torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local accelerator, else the CPU.
+
+    Example:
+        >>> import pardist
+        >>> pardist.device().type in ("cpu", "cuda", "xpu", "mps")
+        True
+    """
+    kind = _accelerator_type()
+    if kind is None or os.environ.get("PARDIST_DEVICE") == "cpu":
+        return torch.device("cpu")
+    count = getattr(torch, kind).device_count()
+    return torch.device(kind, local_rank() % max(count, 1))
+
+
+def _default_backend(dev: torch.device) -> str:
+    if dev.type == "cpu":
+        return "gloo"
+    # The accelerator's own backend for its tensors, gloo beside it so that
+    # CPU tensors (object gathers, checkpoint metadata) can be reduced too.
+    get = getattr(dist, "get_default_backend_for_device", None)
+    accel = get(dev) if get is not None else ("nccl" if dev.type == "cuda" else "gloo")
+    return f"cpu:gloo,{dev.type}:{accel}"
+
+
+def _timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if timeout is None:
+        timeout = float(os.environ.get("PARDIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def is_initialized() -> bool:
+    """Whether a process group is running (started by ``init`` or by the user)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def init(backend: str | None = None, *, timeout: float | datetime.timedelta | None = None):
+    """Start the process group from the torchrun environment and return the default mesh.
+
+    Picks nccl (with gloo beside it for CPU tensors) where an accelerator is
+    present and gloo otherwise, pins this process to its local device, and sets a
+    collective timeout so that a rank that never joins a collective becomes an
+    error instead of a hang. Idempotent: a second call returns the same mesh. In
+    a plain ``python`` process (no ``RANK``/``WORLD_SIZE``) it starts a group of
+    one, so the same script runs with ``python`` and ``torchrun``.
+
+    Args:
+        backend: a torch.distributed backend string to use instead of the default.
+        timeout: seconds (or a timedelta) before a stuck collective raises;
+            defaults to ``$PARDIST_TIMEOUT`` or 600 s.
+
+    Returns:
+        The default :class:`pardist.Mesh`: one axis ``'gpu'`` over every rank.
+
+    Example:
+        >>> import pardist
+        >>> mesh = pardist.init()
+        >>> mesh.shape
+        {'gpu': 1}
+        >>> pardist.shutdown()
+    """
+    global _owns_group
+    from pardist import _mesh  # the mesh layer sits above this one
+
+    if not is_initialized():
+        dev = device()
+        if dev.type != "cpu":
+            getattr(torch, dev.type).set_device(dev)
+        chosen = backend or _default_backend(dev)
+        kwargs = dict(backend=chosen, timeout=_timeout(timeout))
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(**kwargs)
+        else:
+            # A plain python process: a group of one over an in-memory store, so
+            # meshes, checkpoints and collectives behave as under torchrun.
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        _owns_group = True
+    return _mesh.default_mesh()
+
+
+def shutdown() -> None:
+    """Tear down the process group started by :func:`init` (a no-op otherwise)."""
+    global _owns_group
+    from pardist import _mesh
+
+    _mesh.forget_default_mesh()
+    if _owns_group and is_initialized():
+        dist.destroy_process_group()
+    _owns_group = False
+
+
+@contextlib.contextmanager
+def distributed(backend: str | None = None, *, timeout=None) -> Iterator:
+    """``with pardist.distributed() as mesh:`` runs the body inside init/shutdown."""
+    mesh = init(backend, timeout=timeout)
+    try:
+        yield mesh
+    finally:
+        shutdown()
+
+
+def require_init(where: str) -> None:
+    """Raise a clear error if the process group has not been started."""
+    if not is_initialized():
+        raise RuntimeError(
+            f"pardist.{where}: the process group is not started. Call pardist.init() "
+            "first; it works under torchrun and in a plain python process (world size 1)."
+        )
+
+
+def rank0_first(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on rank 0 first, then on the other ranks; return its result.
+
+    fastai's semantics: the usual use is a download or an extraction that must
+    happen once (rank 0) before the others read the result. If ``fn`` raises on
+    rank 0, the other ranks raise too instead of waiting for it forever.
+
+    Example:
+        >>> import pardist
+        >>> _ = pardist.init()
+        >>> pardist.rank0_first(lambda: 'data/')
+        'data/'
+        >>> pardist.shutdown()
+    """
+    if not is_initialized():
+        if world_size() > 1:
+            require_init("rank0_first")
+        return fn(*args, **kwargs)
+    if dist.get_world_size() == 1:
+        return fn(*args, **kwargs)
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            outcome[0] = f"{type(exc).__name__}: {exc}"
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+        dist.broadcast_object_list(outcome, src=0)
+        return result
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RuntimeError(f"pardist.rank0_first: rank 0 failed running "
+                           f"{getattr(fn, '__name__', 'fn')}, so this rank did not: {outcome[0]}")
+    return fn(*args, **kwargs)

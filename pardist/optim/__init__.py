@@ -1,0 +1,38 @@
+"""Optimizers and gradient transformations as pure ``init`` / ``update`` pairs (optax's shape).
+
+``opt = pardist.optim.adamw(lr)``; ``state = opt.init(params)``;
+``params, state = opt.update(grads, state, params)``.
+"""
+
+from pardist.optim._adamw import AdamWState, adam, adamw
+from pardist.optim._base import GradientTransformation, Optimizer, chain
+from pardist.optim._schedules import (
+    constant,
+    cosine_decay,
+    flat_cos,
+    linear_warmup,
+    one_cycle,
+    piecewise_constant,
+)
+from pardist.optim._sgd import SGDState, sgd
+from pardist.optim._transforms import clip_by_global_norm, clip_by_value, global_norm
+
+__all__ = [
+    "AdamWState",
+    "GradientTransformation",
+    "Optimizer",
+    "SGDState",
+    "adam",
+    "adamw",
+    "chain",
+    "clip_by_global_norm",
+    "clip_by_value",
+    "constant",
+    "cosine_decay",
+    "flat_cos",
+    "global_norm",
+    "linear_warmup",
+    "one_cycle",
+    "piecewise_constant",
+    "sgd",
+]

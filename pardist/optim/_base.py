@@ -1,0 +1,121 @@
+"""Optimizers as pairs of pure functions, the optax way.
+
+A :class:`GradientTransformation` maps gradients to gradients (clipping, ...);
+an :class:`Optimizer` maps gradients to new parameters. Both are NamedTuples of
+``init`` and ``update``; their states are NamedTuples of tensors, so they
+checkpoint, shard and travel through ``data_parallel`` like any other tree.
+``chain`` composes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from pardist import _tree
+from pardist._context import is_donated
+
+__all__ = ["GradientTransformation", "Optimizer", "chain", "schedule_value"]
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``; ``update(grads, state, params) -> (grads, state)``."""
+
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+
+
+class Optimizer(NamedTuple):
+    """``init(params) -> state``; ``update(grads, state, params) -> (params, state)``.
+
+    Pure unless the running data-parallel step was given ``params`` and ``state``
+    through ``donate_argnums``: then the update happens in place, in torch's fused
+    (or foreach) kernels, and the same tensors come back.
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+
+
+def chain(*parts: GradientTransformation | Optimizer) -> GradientTransformation | Optimizer:
+    """Apply gradient transformations in order, optionally ending with an optimizer.
+
+    Example:
+        >>> import pardist, torch
+        >>> opt = pardist.optim.chain(pardist.optim.clip_by_global_norm(1.0),
+        ...                           pardist.optim.sgd(lr=0.1))
+        >>> params = {'w': torch.zeros(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({'w': torch.tensor([3., 4.])}, state, params)
+        >>> params['w']
+        tensor([-0.0600, -0.0800])
+    """
+    if not parts:
+        raise ValueError("pardist.optim.chain: give at least one transformation.")
+    *transforms, last = parts
+    for i, part in enumerate(transforms):
+        if not isinstance(part, GradientTransformation):
+            raise TypeError(
+                f"pardist.optim.chain: part {i} is a {type(part).__name__}; only the last "
+                "part may be an optimizer, the others must be gradient transformations.")
+
+    def init_fn(params):
+        return tuple(part.init(params) for part in parts)
+
+    def update_fn(grads, state, params=None):
+        states = []
+        for part, s in zip(transforms, state[:-1]):
+            grads, s = part.update(grads, s, params)
+            states.append(s)
+        out, s = last.update(grads, state[-1], params)
+        return out, tuple(states + [s])
+
+    kind = Optimizer if isinstance(last, Optimizer) else GradientTransformation
+    return kind(init_fn, update_fn)
+
+
+def schedule_value(value: float | Callable[[int], float], count: torch.Tensor) -> float:
+    """A hyper-parameter that may be a schedule: a function of the step count."""
+    return float(value(int(count))) if callable(value) else value
+
+
+def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
+    """Flat (grads, params, treedef), checking that the two trees have one structure."""
+    p_leaves, treedef = _tree.tree_flatten(params)
+    g_leaves, g_def = _tree.tree_flatten(grads)
+    if g_def != treedef:
+        raise ValueError(
+            f"{where}: grads and params have different structures ({len(g_leaves)} vs "
+            f"{len(p_leaves)} leaves). Pass the gradients of exactly these params.")
+    _tree.check_tensor_leaves(params, where=where, name="params")
+    for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), p_leaves):
+        if not isinstance(g, torch.Tensor) or g.shape != p.shape:
+            shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+            raise ValueError(f"{where}: {path} has shape {shape} but its parameter has "
+                             f"shape {tuple(p.shape)}.")
+    return g_leaves, p_leaves, treedef
+
+
+def owned(params: list, *states: list) -> tuple[bool, list, list[list]]:
+    """Tensors the update may write: the donated ones, else fresh copies (purity)."""
+    flat_states = [s for s in states if s is not None]
+    if is_donated(params + [t for s in flat_states for t in s]):
+        return True, params, list(states)
+    copy = lambda ts: None if ts is None else [t.clone() for t in ts]  # noqa: E731
+    return False, copy(params), [copy(s) for s in states]
+
+
+def next_count(count: torch.Tensor, in_place: bool) -> torch.Tensor:
+    return count.add_(1) if in_place else count + 1
+
+
+def fused_ok(tensors: list[torch.Tensor], fused: bool | None) -> bool:
+    """Use torch's fused kernels where the caller allows it and the device has them."""
+    if fused is False:
+        return False
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    supported = set(_get_fused_kernels_supported_devices())
+    return all(t.is_floating_point() and t.device.type in supported for t in tensors)

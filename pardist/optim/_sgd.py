@@ -1,0 +1,71 @@
+"""SGD with momentum, dampening, Nesterov and weight decay: ``torch.optim.SGD``, purely."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.optim.sgd import sgd as torch_sgd
+
+from pardist import _tree
+from pardist.optim._base import Optimizer, aligned, fused_ok, next_count, owned, schedule_value
+
+__all__ = ["SGDState", "sgd"]
+
+
+class SGDState(NamedTuple):
+    count: torch.Tensor  # steps taken (int64, on the CPU so schedules read it for free)
+    momentum_buffer: Any  # like params; None without momentum
+
+
+def sgd(lr: float | Callable[[int], float], momentum: float = 0.0, dampening: float = 0.0,
+        weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+        fused: bool | None = None, foreach: bool | None = None) -> Optimizer:
+    """Stochastic gradient descent, step for step equal to ``torch.optim.SGD``.
+
+    It runs torch's own SGD kernels (fused where the device has them), so the
+    arithmetic is torch's.
+
+    Args:
+        lr: learning rate, or a schedule ``count -> lr``.
+        momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``.
+        fused, foreach: pick torch's implementation; default: fused where available.
+
+    Example:
+        >>> import pardist, torch
+        >>> opt = pardist.optim.sgd(lr=0.5, momentum=0.9)
+        >>> params = {'w': torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update({'w': torch.ones(2)}, state, params)
+        >>> params['w'], int(state.count)
+        (tensor([0.5000, 0.5000]), 1)
+    """
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("pardist.optim.sgd: nesterov=True needs momentum > 0 and dampening 0.")
+    if momentum < 0 or weight_decay < 0 or (not callable(lr) and lr < 0):
+        raise ValueError(f"pardist.optim.sgd: lr={lr}, momentum={momentum} and "
+                         f"weight_decay={weight_decay} must be >= 0.")
+
+    def init_fn(params):
+        _tree.check_tensor_leaves(params, where="pardist.optim.sgd.init", name="params")
+        buffers = _tree.tree_map(torch.zeros_like, params) if momentum else None
+        return SGDState(torch.zeros((), dtype=torch.int64), buffers)
+
+    def update_fn(grads, state, params):
+        g, p, treedef = aligned(grads, params, "pardist.optim.sgd.update")
+        first = int(state.count) == 0
+        old = None if not momentum else _tree.tree_leaves(state.momentum_buffer)
+        in_place, p, (buffers,) = owned(p, None if first else old)
+        if buffers is None:  # torch starts the momentum from the first gradient
+            buffers = [None] * len(p)
+        torch_sgd(
+            p, g, buffers, weight_decay=weight_decay, momentum=momentum,
+            lr=schedule_value(lr, state.count), dampening=dampening, nesterov=nesterov,
+            maximize=maximize, fused=fused_ok(p, fused) if foreach is None else False,
+            foreach=foreach)
+        new_buffers = _tree.tree_unflatten(buffers, treedef) if momentum else None
+        return (_tree.tree_unflatten(p, treedef),
+                SGDState(next_count(state.count, in_place), new_buffers))
+
+    return Optimizer(init_fn, update_fn)

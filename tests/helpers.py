@@ -1,0 +1,98 @@
+"""Models, data and training loops shared by the tests.
+
+Each loop trains the same model on the same global batches three ways: with
+pardist (N ranks, each on its shard), with torch DDP (N ranks), and in one
+process on the whole batch. Tests compare the results.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import pardist
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+
+MODELS = {"mlp": mlp, "convnet": convnet}
+
+
+def global_batch(step: int, model: str, n: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    shape = (n, 8) if model == "mlp" else (n, 1, 8, 8)
+    return torch.randn(shape, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return t.chunk(world)[rank]
+
+
+def make_optimizer(name: str):
+    if name == "sgd":
+        return pardist.optim.sgd(lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return pardist.optim.adamw(lr=1e-2)
+
+
+def torch_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def train_pardist(model: str = "mlp", opt_name: str = "sgd", steps: int = 4, *,
+                  sync_bn: bool = True, whole_batch: bool = False, donate: bool = False,
+                  **dp_options):
+    """Train with data_parallel; return (params, buffers, per-step losses, per-step prints)."""
+    apply, params, buffers = pardist.functional(MODELS[model](), sync_bn=sync_bn)
+    opt = make_optimizer(opt_name)
+    state = opt.init(params)
+
+    def loss_fn(params, buffers, x, y):
+        out, new_buffers = apply(params, buffers, x)
+        return F.cross_entropy(out, y), new_buffers
+
+    def step(params, buffers, state, batch):
+        (loss, new_buffers), grads = pardist.value_and_grad(loss_fn, has_aux=True)(
+            params, buffers, *batch)
+        params, state = opt.update(grads, state, params)
+        return params, new_buffers, state, loss
+
+    step = pardist.data_parallel(step, axis="gpu", donate_argnums=(0, 2) if donate else (),
+                                 **dp_options)
+    rank, world = pardist.rank(), pardist.world_size()
+    losses, prints = [], []
+    for s in range(steps):
+        x, y = global_batch(s, model)
+        if not whole_batch:
+            x, y = shard(x, rank, world), shard(y, rank, world)
+        params, buffers, state, loss = step(params, buffers, state, (x, y))
+        losses.append(float(loss))
+        prints.append({k: v.clone() for k, v in params.items()})
+    return params, buffers, losses, prints
+
+
+def train_ddp(model: str = "mlp", opt_name: str = "sgd", steps: int = 4):
+    """The same training with torch DDP; returns its parameters."""
+    net = nn.parallel.DistributedDataParallel(MODELS[model]())
+    opt = torch_optimizer(opt_name, net.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for s in range(steps):
+        x, y = global_batch(s, model)
+        opt.zero_grad()
+        F.cross_entropy(net(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in net.module.named_parameters()}

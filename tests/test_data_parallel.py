@@ -1,0 +1,277 @@
+"""data_parallel: equivalence with one process and with torch DDP, replicas, specs, donation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pardist
+from pardist import P
+
+import helpers
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def reference(model, opt_name, **kw):
+    """One process on the concatenated global batch (world size 1, in the test process)."""
+    return helpers.train_pardist(model, opt_name, whole_batch=True, **kw)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 4])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_mlp_equals_one_process_and_ddp(run, world1, nprocs, opt_name):
+    params1, _, losses1, _ = reference("mlp", opt_name)
+    results = run(nprocs, helpers.train_pardist, "mlp", opt_name)
+    ddp = run(nprocs, helpers.train_ddp, "mlp", opt_name)
+    for params, _, losses, _ in results:
+        for k in params1:
+            torch.testing.assert_close(params[k], params1[k], **TOL)
+            torch.testing.assert_close(params[k], ddp[0][k], **TOL)
+        # value_and_grad returns the global-batch loss, identical on every rank
+        assert losses == pytest.approx(losses1, rel=1e-5)
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_batchnorm_convnet_with_sync_bn_equals_one_process(run, world1, nprocs):
+    params1, buffers1, _, _ = reference("convnet", "sgd")
+    for params, buffers, _, _ in run(nprocs, helpers.train_pardist, "convnet", "sgd"):
+        for k in params1:
+            torch.testing.assert_close(params[k], params1[k], **TOL)
+        for k in buffers1:  # running statistics too: they came from the global batch
+            torch.testing.assert_close(buffers[k], buffers1[k], **TOL)
+
+
+def test_batchnorm_without_sync_equals_ddp_and_buffers_agree(run):
+    ours = run(2, helpers.train_pardist, "convnet", "sgd", sync_bn=False)
+    ddp = run(2, helpers.train_ddp, "convnet", "sgd")
+    for k in ddp[0]:
+        torch.testing.assert_close(ours[0][0][k], ddp[0][k], **TOL)
+    for k in ours[0][1]:  # per-shard statistics, averaged so every replica keeps the same
+        assert torch.equal(ours[0][1][k], ours[1][1][k])
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_replicas_bit_identical_after_every_step(run, nprocs):
+    results = run(nprocs, helpers.train_pardist, "convnet", "adamw", steps=3)
+    for prints in zip(*(r[3] for r in results)):
+        for other in prints[1:]:
+            for k in prints[0]:
+                assert torch.equal(prints[0][k], other[k]), k
+
+
+def _tensors(tree):
+    return [t for t in pardist._tree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _check_unmutated(donate: bool):
+    apply, params, buffers = pardist.functional(helpers.convnet())
+    opt = pardist.optim.adamw(1e-2)
+    state = opt.init(params)
+    x, y = helpers.global_batch(0, "convnet", 8)
+    before = [t.clone() for t in _tensors((params, buffers, state, x, y))]
+
+    def loss_fn(p, b, x, y):
+        out, nb = apply(p, b, x)
+        return F.cross_entropy(out, y), nb
+
+    def step(params, buffers, state, batch):
+        (loss, nb), g = pardist.value_and_grad(loss_fn, has_aux=True)(params, buffers, *batch)
+        params, state = opt.update(g, state, params)
+        return params, nb, state
+
+    dp = pardist.data_parallel(step, donate_argnums=(0, 2) if donate else ())
+    out = dp(params, buffers, state, (x, y))
+    after = _tensors((params, buffers, state, x, y))
+    changed = [not torch.equal(a, b) for a, b in zip(before, after)]
+    aliased = all(a is b for a, b in zip(_tensors(out[0]), _tensors(params)))
+    return changed, aliased, [len(_tensors(t)) for t in (params, buffers, state)]
+
+
+def test_inputs_unmutated_without_donation(run):
+    for changed, aliased, _ in run(2, _check_unmutated, False):
+        assert not any(changed)
+        assert not aliased
+
+
+def test_donation_updates_in_place(run):
+    for changed, aliased, (n_params, n_buffers, _) in run(2, _check_unmutated, True):
+        assert aliased  # the new params are the donated tensors, updated in place
+        assert any(changed[:n_params])
+        assert not any(changed[n_params:n_params + n_buffers])  # buffers were not donated
+
+
+def test_donation_gives_the_same_numbers(run):
+    plain = run(2, helpers.train_pardist, "mlp", "adamw")
+    donated = run(2, helpers.train_pardist, "mlp", "adamw", donate=True)
+    for k in plain[0][0]:
+        assert torch.equal(plain[0][0][k], donated[0][0][k])
+
+
+def _donated_reuse():
+    @pardist.data_parallel(donate_argnums=0)
+    def step(w, batch):
+        return w - 0.1 * pardist.grad(lambda w, b: (b @ w).square().mean())(w, batch)
+
+    w = torch.ones(3)
+    new = step(w, torch.ones(2, 3))
+    step(new, torch.ones(2, 3))  # fine: the value the call returned
+    try:
+        step(w, torch.ones(2, 3))
+    except ValueError as e:
+        return str(e)
+
+
+def test_donated_argument_reused_is_an_error(run):
+    for msg in run(2, _donated_reuse):
+        assert "args[0] was donated" in msg and "Pass the value that call returned" in msg
+
+
+def _forgot_mean():
+    @pardist.data_parallel(axis="gpu")
+    def step(w, batch):
+        g = torch.func.grad(lambda w, b: (b @ w).square().mean())(w, batch)
+        return {"w": w - 0.1 * g}
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(pardist.rank()))
+    try:
+        step(torch.ones(3), x)
+    except ValueError as e:
+        return str(e)
+
+
+def test_replication_check_catches_a_missing_gradient_mean(run):
+    for msg in run(2, _forgot_mean):
+        assert "output['w'] differs between rank 0 and rank 1" in msg
+        assert "pardist.grad" in msg and "pardist.pmean" in msg
+
+
+def _per_rank_output(debug_calls: int):
+    step = pardist.data_parallel(lambda w, b: b.sum())
+    errors = 0
+    for i in range(debug_calls):
+        try:
+            step(torch.ones(1), torch.full((2,), float(pardist.rank() + i)))
+        except ValueError:
+            errors += 1
+    return errors
+
+
+def test_check_runs_on_first_call_and_every_call_in_debug_mode(run):
+    # The first call checks and raises; later calls are unchecked without the debug flag.
+    assert run(2, _per_rank_output, 3) == [1, 1]
+    assert run(2, _per_rank_output, 3, env={"PARDIST_DEBUG": "1"}) == [3, 3]
+
+
+def _sharded_output_spec():
+    step = pardist.data_parallel(lambda w, b: (w * 2, b * w), out_specs=(P(), P("gpu")))
+    w2, local = step(torch.ones(2), torch.full((3, 2), float(pardist.rank())))
+    return w2.tolist(), local[0].tolist()
+
+
+def test_out_specs_mark_per_rank_outputs(run):
+    assert run(2, _sharded_output_spec) == [([2.0, 2.0], [0.0, 0.0]), ([2.0, 2.0], [1.0, 1.0])]
+
+
+def _explicit_in_specs():
+    # dim 1 of x is sharded; w is replicated; the batch's per-rank columns give a
+    # gradient of the mean over ranks.
+    def step(w, x):
+        return pardist.grad(lambda w, x: (x * w).sum())(w, x)
+
+    dp = pardist.data_parallel(step, in_specs=(P(), P(None, "gpu")))
+    x = torch.full((2, 1), float(pardist.rank() + 1))
+    return dp(torch.ones(2, 1), x).flatten().tolist()
+
+
+def test_explicit_in_specs(run):
+    # local grads are [r+1, r+1]; their mean over 2 ranks is 1.5
+    assert run(2, _explicit_in_specs) == [[1.5, 1.5]] * 2
+
+
+def _replicated_shape_differs():
+    step = pardist.data_parallel(lambda p, b: p["w"].sum())
+    try:
+        step({"w": torch.ones(3 + pardist.rank())}, torch.ones(2))
+    except ValueError as e:
+        return str(e)
+
+
+def test_replicated_input_shape_differs(run):
+    for msg in run(2, _replicated_shape_differs):
+        assert "args[0]['w'] is shape (3,) (float32) on rank 0 but shape (4,) (float32) on rank 1" in msg
+
+
+def _replicated_values_differ():
+    torch.manual_seed(pardist.rank())  # the classic bug: unseeded initialisation
+    step = pardist.data_parallel(lambda p, b: p)
+    try:
+        step({"w": torch.randn(3)}, torch.ones(2))
+    except ValueError as e:
+        return str(e)
+
+
+def test_replicated_input_values_differ(run):
+    for msg in run(2, _replicated_values_differ):
+        assert "args[0]['w'] differs between rank 0 and rank 1" in msg
+        assert "pardist.broadcast" in msg
+
+
+def test_spec_errors(world1):
+    step = pardist.data_parallel(lambda p, b: p, in_specs=(P(), {"x": P("gpu")}))
+    with pytest.raises(ValueError, match=r"in_specs\[1\] does not fit args\[1\].*lacks \['y'\]"):
+        step(torch.ones(1), {"y": torch.ones(2)})
+    step = pardist.data_parallel(lambda p, b: p, in_specs=(P(), P("gpu", None, None)))
+    with pytest.raises(ValueError, match=r"in_spec of args\[1\] is P\('gpu', None, None\).*"
+                                         r"shape \(4, 2\), only 2 dims"):
+        step(torch.ones(1), torch.ones(4, 2))
+    step = pardist.data_parallel(lambda p, b: p)
+    with pytest.raises(TypeError, match=r"args\[1\]\['lr'\] is a float .*not a tensor"):
+        step(torch.ones(1), {"lr": 0.1})
+    with pytest.raises(ValueError, match="one spec tree per positional argument; got 1 for 2"):
+        pardist.data_parallel(lambda p, b: p, in_specs=(P(),))(torch.ones(1), torch.ones(1))
+
+
+def test_axis_not_in_mesh(world1):
+    step = pardist.data_parallel(lambda p, b: p, axis="tpu")
+    with pytest.raises(ValueError, match=r"axis 'tpu' is not in the mesh \(axes: 'gpu' of size 1\)"):
+        step(torch.ones(1), torch.ones(1))
+
+
+def test_decorator_forms_keep_the_signature(world1):
+    import inspect
+
+    @pardist.data_parallel(axis="gpu")
+    def step(params, opt_state, batch):
+        """Doc."""
+        return params
+
+    assert list(inspect.signature(step).parameters) == ["params", "opt_state", "batch"]
+    assert step.__doc__ == "Doc." and step.__name__ == "step"
+    with pytest.raises(TypeError, match="data_parallel\\(axis='gpu'\\)"):
+        pardist.data_parallel("gpu")
+
+
+def _tuple_axes(flat: bool):
+    mesh = pardist.Mesh({"node": 2, "gpu": 2})
+    axis = "all" if flat else ("node", "gpu")
+    if flat:
+        mesh = pardist.Mesh({"all": 4})
+    x, y = helpers.global_batch(0, "mlp")
+    apply, params, _ = pardist.functional(helpers.mlp())
+
+    @pardist.data_parallel(axis=axis, mesh=mesh)
+    def step(params, batch):
+        return pardist.grad(lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0], y))(params, *batch)
+
+    r = pardist.rank()
+    return step(params, (helpers.shard(x, r, 4), helpers.shard(y, r, 4)))
+
+
+def test_hierarchical_axes_equal_flat_reduction(run):
+    hier = run(4, _tuple_axes, False)
+    flat = run(4, _tuple_axes, True)
+    for k in hier[0]:
+        torch.testing.assert_close(hier[0][k], flat[0][k], **TOL)
+        assert all(torch.equal(h[k], hier[0][k]) for h in hier)
