@@ -42,7 +42,7 @@ class CrossReplicaBatchNorm(nn.modules.batchnorm._BatchNorm):
         stats = torch.cat([count.view(1), mean, m2])[None]
         everyone = _collectives.all_gather(stats, ctx.axis)  # (ranks, 1 + 2C)
         c = x.shape[1]
-        counts, means, m2s = everyone[:, :1], everyone[:, 1:1 + c], everyone[:, 1 + c:]
+        counts, means, m2s = everyone[:, :1], everyone[:, 1 : 1 + c], everyone[:, 1 + c :]
         total = counts.sum()
         global_mean = (counts * means).sum(0) / total
         global_m2 = (m2s + counts * (means - global_mean).pow(2)).sum(0)
@@ -57,25 +57,25 @@ class CrossReplicaBatchNorm(nn.modules.batchnorm._BatchNorm):
     @torch.no_grad()
     def _update_running_stats(self, mean, m2, total) -> None:
         self.num_batches_tracked.add_(1)
-        factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
-                  else self.momentum)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         unbiased = m2.detach() / (total.detach() - 1).clamp(min=1)
         self.running_mean.mul_(1 - factor).add_(mean.detach(), alpha=factor)
         self.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
 
 
 def convert_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every batch-norm layer of ``module`` (in place) by a cross-replica one.
+    """Return ``module`` with every batch-norm layer made cross-replica.
 
-    The parameters and buffers keep their names and tensors, so a state dict of
-    the original loads into the converted module and vice versa.
+    Children are replaced in place and the (possibly new) root is returned, as
+    ``nn.SyncBatchNorm.convert_sync_batchnorm`` does. Parameters and buffers keep
+    their names and tensors, so state dicts load either way.
     """
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+        module, CrossReplicaBatchNorm
+    ):
+        new = CrossReplicaBatchNorm.__new__(CrossReplicaBatchNorm)
+        new.__dict__.update(module.__dict__)  # same parameters, buffers and settings
+        return new
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
-                child, CrossReplicaBatchNorm):
-            new = CrossReplicaBatchNorm.__new__(CrossReplicaBatchNorm)
-            new.__dict__.update(child.__dict__)  # same parameters, buffers and settings
-            module._modules[name] = new
-        else:
-            convert_batchnorm(child)
+        module._modules[name] = convert_batchnorm(child)
     return module

@@ -77,8 +77,10 @@ class _Pmax(torch.autograd.Function):
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x, group, dim):
-        parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
-                 for _ in range(dist.get_world_size(group))]
+        parts = [
+            torch.empty_like(x, memory_format=torch.contiguous_format)
+            for _ in range(dist.get_world_size(group))
+        ]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
@@ -126,14 +128,14 @@ def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
         {'n': tensor(3.)}
         >>> pardist.shutdown()
     """
-    groups = _mesh.current_mesh("psum").groups(axis)
+    groups = _mesh.current_mesh("psum").groups(axis, "psum")
     return _map(tree, "pardist.psum", lambda x: _Psum.apply(x, groups) if groups else x)
 
 
 def pmean(tree: Any, axis: str | tuple[str, ...]) -> Any:
     """Average every tensor leaf of ``tree`` over the ranks of ``axis`` (differentiable)."""
     mesh = _mesh.current_mesh("pmean")
-    groups, size = mesh.groups(axis), mesh.size(axis)
+    groups, size = mesh.groups(axis, "pmean"), mesh.size(axis, "pmean")
     return _map(tree, "pardist.pmean", lambda x: _Psum.apply(x, groups) / size if groups else x)
 
 
@@ -142,7 +144,7 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
 
     The gradient flows to the ranks holding the maximum (split evenly on ties).
     """
-    groups = _mesh.current_mesh("pmax").groups(axis)
+    groups = _mesh.current_mesh("pmax").groups(axis, "pmax")
     return _map(tree, "pardist.pmax", lambda x: _Pmax.apply(x, groups) if groups else x)
 
 
@@ -154,9 +156,9 @@ def all_gather(tree: Any, axis: str | tuple[str, ...], dim: int = 0) -> Any:
     rank's slice receives the sum of its cotangents over the ranks.
     """
     mesh = _mesh.current_mesh("all_gather")
-    if mesh.size(axis) == 1:
+    if mesh.size(axis, "all_gather") == 1:
         return _map(tree, "pardist.all_gather", lambda x: x)
-    group = mesh.group(axis)
+    group = mesh.group(axis, "all_gather")
 
     def gather(x: torch.Tensor) -> torch.Tensor:
         if x.ndim == 0:
@@ -175,9 +177,9 @@ def broadcast(tree: Any, axis: str | tuple[str, ...] = "gpu", *, src: int = 0) -
     The usual use: make every replica start from rank 0's initial parameters.
     """
     mesh = _mesh.current_mesh("broadcast")
-    if mesh.size(axis) == 1:
+    if mesh.size(axis, "broadcast") == 1:
         return _map(tree, "pardist.broadcast", lambda x: x.detach().clone())
-    group = mesh.group(axis)
+    group = mesh.group(axis, "broadcast")
     source = dist.get_global_rank(group, src)
 
     def send(x: torch.Tensor) -> torch.Tensor:

@@ -23,23 +23,40 @@ from pardist._specs import P
 
 __all__ = ["data_parallel"]
 
-_COMPRESSION = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16,
-                torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
+_COMPRESSION = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    torch.bfloat16: torch.bfloat16,
+    torch.float16: torch.float16,
+}
 
 
 class _Step:
     """The function ``data_parallel`` returns; holds what persists between calls."""
 
-    def __init__(self, fn: Callable, axis, in_specs, out_specs, mesh, donate_argnums,
-                 compression, overlap, bucket_mb):
+    def __init__(
+        self,
+        fn: Callable,
+        axis,
+        in_specs,
+        out_specs,
+        mesh,
+        donate_argnums,
+        compression,
+        overlap,
+        bucket_mb,
+    ):
         functools.update_wrapper(self, fn)
         self.fn, self.axis, self.mesh = fn, axis, mesh
         self.in_specs, self.out_specs = in_specs, out_specs
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) \
-            else tuple(donate_argnums)
+        self.donate_argnums = (
+            (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        )
         if compression not in _COMPRESSION:
-            raise ValueError(f"{self.where}: compression={compression!r}; use None, 'bf16' "
-                             "or 'fp16'.")
+            raise ValueError(
+                f"{self.where}: compression={compression!r}; use None, 'bf16' or 'fp16'."
+            )
         self.compression = _COMPRESSION[compression]
         self.overlap, self.bucket_mb = overlap, bucket_mb
         self.reducers: dict = {}
@@ -61,12 +78,15 @@ class _Step:
             elif not isinstance(specs, (tuple, list)) or len(specs) != len(args):
                 raise ValueError(
                     f"{self.where}: in_specs must be a tuple with one spec tree per positional "
-                    f"argument; got {_count(specs)} for {len(args)} arguments.")
-            flat = _specs.flat_specs(tuple(specs), args, where=self.where,
-                                     specs_name="in_specs", tree_name="args")
+                    f"argument; got {_count(specs)} for {len(args)} arguments."
+                )
+            flat = _specs.flat_specs(
+                tuple(specs), args, where=self.where, specs_name="in_specs", tree_name="args"
+            )
             for (path, leaf), spec in zip(_tree.leaves_with_paths(args, "args"), flat):
-                _specs.check_fits(spec, leaf, path, mesh, where=self.where,
-                                  spec_path=f"the in_spec of {path}")
+                _specs.check_fits(
+                    spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
+                )
             self._specs_cache[key] = flat
         return self._specs_cache[key]
 
@@ -88,15 +108,26 @@ class _Step:
                     f"axis {self.axis!r}, but {problem}. Build them the same way on every rank "
                     "(seed before creating the model: pardist.seed_everything(0)), or copy "
                     "rank 0's values with pardist.broadcast(tree); if the input is a per-rank "
-                    "shard, give it a sharded spec such as P('gpu') in in_specs.")
-        donated = {id(x) for i in self.donate_argnums for x in _tree.tree_leaves(args[i])
-                   if isinstance(x, torch.Tensor)}
+                    "shard, give it a sharded spec such as P('gpu') in in_specs."
+                )
+        donated = {
+            id(x)
+            for i in self.donate_argnums
+            for x in _tree.tree_leaves(args[i])
+            if isinstance(x, torch.Tensor)
+        }
         ctx = StepContext(
-            name=self.where, mesh=mesh, axis=axes, size=mesh.size(axes),
+            name=self.where,
+            mesh=mesh,
+            axis=axes,
+            size=mesh.size(axes),
             varying={id(x) for x, s in zip(leaves, specs) if set(s.axes) & set(axes)},
-            donated=donated, reducers=self.reducers, compression=self.compression,
+            donated=donated,
+            reducers=self.reducers,
+            compression=self.compression,
             overlap=_default_overlap(leaves) if self.overlap is None else self.overlap,
-            bucket_bytes=int(self.bucket_mb * 2**20))
+            bucket_bytes=int(self.bucket_mb * 2**20),
+        )
         with entered(ctx):
             out = self.fn(*args, **kwargs)
         self.calls += 1
@@ -119,18 +150,24 @@ class _Step:
                     f"{self.where}: {path} was donated to an earlier call "
                     f"(donate_argnums={self.donate_argnums}) and may have been overwritten. "
                     "Pass the value that call returned instead (params, opt_state = "
-                    "step(params, opt_state, batch)), or drop it from donate_argnums.")
+                    "step(params, opt_state, batch)), or drop it from donate_argnums."
+                )
         self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
 
     def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes: tuple[str, ...], group) -> None:
         specs = self.out_specs
         named = _tree.leaves_with_paths(out, "output")
-        flat = (_specs.flat_specs(specs, out, where=self.where, specs_name="out_specs",
-                                  tree_name="output") if specs is not None
-                else [P()] * len(named))
+        flat = (
+            _specs.flat_specs(
+                specs, out, where=self.where, specs_name="out_specs", tree_name="output"
+            )
+            if specs is not None
+            else [P()] * len(named)
+        )
         for (path, leaf), spec in zip(named, flat):
-            _specs.check_fits(spec, leaf, path, mesh, where=self.where,
-                              spec_path=f"the out_spec of {path}")
+            _specs.check_fits(
+                spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
+            )
         replicated = [(p, x) for (p, x), s in zip(named, flat) if not set(s.axes) & set(axes)]
         problem = _replication.mismatch(replicated, group)
         if problem:
@@ -140,7 +177,8 @@ class _Step:
                 f"If it holds gradients from torch.func.grad, use pardist.grad, which "
                 f"averages them over {axis!r}; if it is a per-rank value (a local loss), "
                 f"reduce it with pardist.pmean(x, {axis!r}) or give it a sharded out_spec "
-                f"such as P({axis!r}).")
+                f"such as P({axis!r})."
+            )
 
 
 def _count(specs: Any) -> str:
@@ -154,11 +192,18 @@ def _default_overlap(leaves: Sequence[Any]) -> bool:
     return any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in leaves)
 
 
-def data_parallel(fn: Callable | None = None, axis: str | tuple[str, ...] = "gpu", *,
-                  in_specs: Sequence[Any] | None = None, out_specs: Any = None,
-                  mesh: _mesh.Mesh | None = None, donate_argnums: int | Sequence[int] = (),
-                  compression: str | torch.dtype | None = None, overlap: bool | None = None,
-                  bucket_mb: float = 25.0):
+def data_parallel(
+    fn: Callable | None = None,
+    axis: str | tuple[str, ...] = "gpu",
+    *,
+    in_specs: Sequence[Any] | None = None,
+    out_specs: Any = None,
+    mesh: _mesh.Mesh | None = None,
+    donate_argnums: int | Sequence[int] = (),
+    compression: str | torch.dtype | None = None,
+    overlap: bool | None = None,
+    bucket_mb: float = 25.0,
+):
     """Make ``fn`` a data-parallel step over ``axis``: each rank calls it with its own data.
 
     By default every positional argument is replicated except the last, whose
@@ -201,16 +246,28 @@ def data_parallel(fn: Callable | None = None, axis: str | tuple[str, ...] = "gpu
         tensor([0.6000, 0.6000])
         >>> pardist.shutdown()
     """
-    options = dict(axis=axis, in_specs=in_specs, out_specs=out_specs, mesh=mesh,
-                   donate_argnums=donate_argnums, compression=compression, overlap=overlap,
-                   bucket_mb=bucket_mb)
+    options = dict(
+        axis=axis,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        mesh=mesh,
+        donate_argnums=donate_argnums,
+        compression=compression,
+        overlap=overlap,
+        bucket_mb=bucket_mb,
+    )
     if fn is None:
         return lambda f: data_parallel(f, **options)
     if isinstance(fn, str):
-        raise TypeError("pardist.data_parallel: the first argument is the step function; "
-                        f"write data_parallel(axis={fn!r}) to use it as a decorator.")
+        raise TypeError(
+            "pardist.data_parallel: the first argument is the step function; "
+            f"write data_parallel(axis={fn!r}) to use it as a decorator."
+        )
     if in_specs is not None and not isinstance(in_specs, (tuple, list)):
-        raise TypeError("pardist.data_parallel: in_specs must be a tuple with one spec tree "
-                        f"per positional argument, got a {type(in_specs).__name__}.")
-    return _Step(fn, axis, in_specs, out_specs, mesh, donate_argnums, compression, overlap,
-                 bucket_mb)
+        raise TypeError(
+            "pardist.data_parallel: in_specs must be a tuple with one spec tree "
+            f"per positional argument, got a {type(in_specs).__name__}."
+        )
+    return _Step(
+        fn, axis, in_specs, out_specs, mesh, donate_argnums, compression, overlap, bucket_mb
+    )

@@ -64,7 +64,7 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     skeleton = _meta_skeleton(module)
     if sync_bn:
-        convert_batchnorm(skeleton)
+        skeleton = convert_batchnorm(skeleton)
     mode = {"train": skeleton.training}
 
     def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
@@ -72,8 +72,9 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
             skeleton.train(train)
             mode["train"] = train
         new_buffers = {name: b.clone() for name, b in buffers.items()}
-        out = torch.func.functional_call(skeleton, (params, new_buffers), inputs, kwargs,
-                                         strict=True)
+        out = torch.func.functional_call(
+            skeleton, (params, new_buffers), inputs, kwargs, strict=True
+        )
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
             floating = {k: v for k, v in new_buffers.items() if v.is_floating_point()}

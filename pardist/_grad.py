@@ -85,7 +85,11 @@ def _split(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
     else:
         value, aux = out, None
     if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
-        what = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        what = (
+            f"shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
         raise ValueError(
             f"{where}: f must return a floating-point scalar tensor to differentiate, got "
             f"{what}. Reduce it first (e.g. loss.mean())."
@@ -107,11 +111,22 @@ def _micro_batches(args: tuple, batch_argnums: tuple[int, ...], k: int, where: s
                     f"size divisible by {k}."
                 )
         split[n] = _tree.tree_map(
-            lambda x: einops.rearrange(x, "(k b) ... -> k b ...", k=k)
-            if isinstance(x, torch.Tensor) and x.ndim else x, args[n])
-    return [tuple(_tree.tree_map(lambda x: x[j] if isinstance(x, torch.Tensor) and x.ndim
-                                 else x, a) if i in batch_argnums else a
-                  for i, a in enumerate(split)) for j in range(k)]
+            lambda x: (
+                einops.rearrange(x, "(k b) ... -> k b ...", k=k)
+                if isinstance(x, torch.Tensor) and x.ndim
+                else x
+            ),
+            args[n],
+        )
+    return [
+        tuple(
+            _tree.tree_map(lambda x, j=j: x[j] if isinstance(x, torch.Tensor) and x.ndim else x, a)
+            if i in batch_argnums
+            else a
+            for i, a in enumerate(split)
+        )
+        for j in range(k)
+    ]
 
 
 def _stack(items: list[Any]) -> Any:
@@ -119,19 +134,32 @@ def _stack(items: list[Any]) -> Any:
         return items[0]
     flat = [_tree.tree_flatten(item)[0] for item in items]
     spec = _tree.tree_flatten(items[0])[1]
-    leaves = [torch.stack(column) if isinstance(column[0], torch.Tensor) else list(column)
-              for column in zip(*flat)]
+    leaves = [
+        torch.stack(column) if isinstance(column[0], torch.Tensor) else list(column)
+        for column in zip(*flat)
+    ]
     return _tree.tree_unflatten(leaves, spec)
 
 
 def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
-    key = (tuple((t.shape, t.dtype, t.device) for t in like), ctx.axis, ctx.compression,
-           ctx.overlap, ctx.bucket_bytes, ctx.first_bucket_bytes)
+    key = (
+        tuple((t.shape, t.dtype, t.device) for t in like),
+        ctx.axis,
+        ctx.compression,
+        ctx.overlap,
+        ctx.bucket_bytes,
+        ctx.first_bucket_bytes,
+    )
     if key not in ctx.reducers:
         ctx.reducers[key] = Reducer(
-            like, ctx.mesh.groups(ctx.axis), ctx.size, comm_dtype=ctx.compression,
-            overlap=ctx.overlap, bucket_bytes=ctx.bucket_bytes,
-            first_bucket_bytes=ctx.first_bucket_bytes)
+            like,
+            ctx.mesh.groups(ctx.axis),
+            ctx.size,
+            comm_dtype=ctx.compression,
+            overlap=ctx.overlap,
+            bucket_bytes=ctx.bucket_bytes,
+            first_bucket_bytes=ctx.first_bucket_bytes,
+        )
     return ctx.reducers[key]
 
 
@@ -142,27 +170,38 @@ def _in_transform(leaves: list[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
-def _compute(f: Callable, argnums, has_aux: bool, accumulate: int, batch_argnums,
-             args: tuple, kwargs: dict, where: str):
+def _compute(
+    f: Callable,
+    argnums,
+    has_aux: bool,
+    accumulate: int,
+    batch_argnums,
+    args: tuple,
+    kwargs: dict,
+    where: str,
+):
     """Returns (value, aux, grads) with grads shaped like ``args[argnums]``."""
     nums = _argnums_tuple(argnums, len(args), where)
-    batch_nums = tuple(n for n in _argnums_tuple(batch_argnums, len(args), where)
-                       if n not in nums)
+    batch_nums = tuple(n for n in _argnums_tuple(batch_argnums, len(args), where) if n not in nums)
     ctx = current_step()
     trees = [args[n] for n in nums]
-    flat = [_tree.check_tensor_leaves(t, where=where, name=f"args[{n}]")
-            for n, t in zip(nums, trees)]
+    flat = [
+        _tree.check_tensor_leaves(t, where=where, name=f"args[{n}]") for n, t in zip(nums, trees)
+    ]
     leaves = [leaf for part in flat for leaf in part]
     for n, part in zip(nums, flat):
         for path, leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), part):
             if not (leaf.is_floating_point() or leaf.is_complex()):
-                raise TypeError(f"{where}: {path[0]} has dtype {leaf.dtype}; only "
-                                "floating-point tensors can be differentiated.")
+                raise TypeError(
+                    f"{where}: {path[0]} has dtype {leaf.dtype}; only "
+                    "floating-point tensors can be differentiated."
+                )
     replicated = [ctx is not None and id(t) not in ctx.varying for t in leaves]
     reduce = ctx is not None and ctx.size > 1 and any(replicated)
     if ctx is None or _in_transform(leaves):
-        return _compute_functorch(f, nums, has_aux, accumulate, batch_nums, args, kwargs,
-                                  ctx, replicated, where)
+        return _compute_functorch(
+            f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
+        )
     reducer = None
     if reduce or accumulate > 1:
         rep = [t for t, r in zip(leaves, replicated) if r]
@@ -175,13 +214,16 @@ def _compute(f: Callable, argnums, has_aux: bool, accumulate: int, batch_argnums
         if reducer is not None and j == accumulate - 1:
             reducer.last_micro_batch()
         inputs = [t.detach().requires_grad_() for t in leaves]
-        wrapped = [_Contribute.apply(x, reducer, slot[i]) if reducer is not None and replicated[i]
-                   else x for i, x in enumerate(inputs)]
+        wrapped = [
+            _Contribute.apply(x, reducer, slot[i]) if reducer is not None and replicated[i] else x
+            for i, x in enumerate(inputs)
+        ]
         call = list(margs)
         start = 0
         for n, part in zip(nums, flat):
-            call[n] = _tree.tree_unflatten(wrapped[start:start + len(part)],
-                                           _tree.tree_flatten(args[n])[1])
+            call[n] = _tree.tree_unflatten(
+                wrapped[start : start + len(part)], _tree.tree_flatten(args[n])[1]
+            )
             start += len(part)
         with torch.enable_grad():
             value, aux = _split(f(*call, **kwargs), has_aux, where)
@@ -192,7 +234,9 @@ def _compute(f: Callable, argnums, has_aux: bool, accumulate: int, batch_argnums
                 if got[i] is not None:
                     local_sum[i] = got[i] if local_sum[i] is None else local_sum[i] + got[i]
         values.append(value.detach())
-        auxes.append(_tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux))
+        auxes.append(
+            _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        )
     reduced = reducer.finish() if reducer is not None else []
     grads = []
     for i, t in enumerate(leaves):
@@ -209,14 +253,16 @@ def _compute(f: Callable, argnums, has_aux: bool, accumulate: int, batch_argnums
 def _regroup(grads: list, nums: tuple, flat: list, args: tuple) -> Any:
     out, start = [], 0
     for n, part in zip(nums, flat):
-        out.append(_tree.tree_unflatten(grads[start:start + len(part)],
-                                        _tree.tree_flatten(args[n])[1]))
+        out.append(
+            _tree.tree_unflatten(grads[start : start + len(part)], _tree.tree_flatten(args[n])[1])
+        )
         start += len(part)
     return out[0] if len(nums) == 1 else tuple(out)
 
 
-def _compute_functorch(f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx,
-                       replicated, where):
+def _compute_functorch(
+    f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
+):
     """torch.func.grad, with a differentiable mean on replicated inputs inside a step."""
     groups = ctx.mesh.groups(ctx.axis) if ctx is not None else []
     flags = iter(replicated)
@@ -227,14 +273,17 @@ def _compute_functorch(f, nums, has_aux, accumulate, batch_nums, args, kwargs, c
         if groups:
             for n in nums:
                 call[n] = _tree.tree_map(
-                    lambda x, r: _MeanGrad.apply(x, groups, ctx.size) if r else x,
-                    call[n], marks[n])
-        return f(*call, **kwargs)
+                    lambda x, r: _MeanGrad.apply(x, groups, ctx.size) if r else x, call[n], marks[n]
+                )
+        out = f(*call, **kwargs)
+        _split(out, has_aux, where)  # pardist's error for a non-scalar value
+        return out
 
     results = []
     for margs in _micro_batches(args, batch_nums, accumulate, where):
-        g, out = torch.func.grad_and_value(marked, argnums=nums if len(nums) > 1 else nums[0],
-                                           has_aux=has_aux)(*margs)
+        g, out = torch.func.grad_and_value(
+            marked, argnums=nums if len(nums) > 1 else nums[0], has_aux=has_aux
+        )(*margs)
         value, aux = out if has_aux else (out, None)
         results.append((value, aux, g))
     if accumulate == 1:
@@ -244,8 +293,14 @@ def _compute_functorch(f, nums, has_aux, accumulate, batch_nums, args, kwargs, c
     return value, _stack([r[1] for r in results]), grads
 
 
-def grad(f: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
-         accumulate: int = 1, batch_argnums: int | tuple[int, ...] = -1) -> Callable:
+def grad(
+    f: Callable,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    *,
+    accumulate: int = 1,
+    batch_argnums: int | tuple[int, ...] = -1,
+) -> Callable:
     """The gradient of ``f`` with respect to ``args[argnums]``, as ``torch.func.grad``.
 
     Inside a :func:`pardist.data_parallel` step, the gradient with respect to a
@@ -269,9 +324,9 @@ def grad(f: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
         ...     return (x @ w).pow(2).mean()
         >>> w, x = torch.ones(3), torch.arange(6.).reshape(2, 3)
         >>> pardist.grad(loss)(w, x)
-        tensor([ 9., 15., 21.])
+        tensor([36., 51., 66.])
         >>> pardist.grad(loss, accumulate=2)(w, x)
-        tensor([ 9., 15., 21.])
+        tensor([36., 51., 66.])
     """
     where = f"pardist.grad({getattr(f, '__name__', 'f')})"
 
@@ -279,15 +334,22 @@ def grad(f: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False,
     def grad_f(*args, **kwargs):
         if current_step() is None and accumulate == 1:
             return torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
-        _, aux, grads = _compute(f, argnums, has_aux, accumulate, batch_argnums, args,
-                                 kwargs, where)
+        _, aux, grads = _compute(
+            f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
+        )
         return (grads, aux) if has_aux else grads
 
     return grad_f
 
 
-def value_and_grad(f: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
-                   accumulate: int = 1, batch_argnums: int | tuple[int, ...] = -1) -> Callable:
+def value_and_grad(
+    f: Callable,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    *,
+    accumulate: int = 1,
+    batch_argnums: int | tuple[int, ...] = -1,
+) -> Callable:
     """``(value, grads)`` (JAX's order), or ``((value, aux), grads)`` with ``has_aux``.
 
     Inside a data-parallel step the gradients are those of the global objective,
@@ -310,8 +372,9 @@ def value_and_grad(f: Callable, argnums: int | tuple[int, ...] = 0, has_aux: boo
         if ctx is None and accumulate == 1:
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
             return out, grads
-        value, aux, grads = _compute(f, argnums, has_aux, accumulate, batch_argnums, args,
-                                     kwargs, where)
+        value, aux, grads = _compute(
+            f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
+        )
         if ctx is not None and ctx.size > 1:
             value = _collectives.pmean(value, ctx.axis)
         return ((value, aux) if has_aux else value), grads

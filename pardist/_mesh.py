@@ -93,29 +93,29 @@ class Mesh:
             raise ValueError(f"pardist.{where}: axis {axis!r} must name distinct axes.")
         return names
 
-    def size(self, axis: AxisName) -> int:
+    def size(self, axis: AxisName, where: str = "axis_size") -> int:
         """Number of processes along ``axis`` (the product, for a tuple of axes)."""
-        return math.prod(self.shape[name] for name in self.axes(axis, "axis_size"))
+        return math.prod(self.shape[name] for name in self.axes(axis, where))
 
-    def index(self, axis: AxisName) -> int:
+    def index(self, axis: AxisName, where: str = "axis_index") -> int:
         """This process's coordinate along ``axis`` (row-major for a tuple)."""
         index = 0
-        for name in self.axes(axis, "axis_index"):
+        for name in self.axes(axis, where):
             coordinate = self.device_mesh.get_local_rank(name)
             index = index * self.shape[name] + coordinate
         return index
 
-    def groups(self, axis: AxisName) -> list[dist.ProcessGroup]:
+    def groups(self, axis: AxisName, where: str = "Mesh") -> list[dist.ProcessGroup]:
         """Process groups to reduce over ``axis`` hierarchically, innermost axis first.
 
         Axes of size 1 are left out, so an empty list means "nothing to reduce".
         """
-        names = self.axes(axis)
+        names = self.axes(axis, where)
         return [self.device_mesh.get_group(n) for n in reversed(names) if self.shape[n] > 1]
 
-    def group(self, axis: AxisName) -> dist.ProcessGroup:
+    def group(self, axis: AxisName, where: str = "Mesh") -> dist.ProcessGroup:
         """One process group spanning ``axis`` (a flattened group for a tuple of axes)."""
-        names = self.axes(axis)
+        names = self.axes(axis, where)
         if len(names) == 1:
             return self.device_mesh.get_group(names[0])
         if names not in self._flat:

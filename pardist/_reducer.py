@@ -70,9 +70,17 @@ class Reducer:
         overlap: launch each bucket's all-reduce as soon as it is full.
     """
 
-    def __init__(self, like: list[torch.Tensor], groups: list, divisor: int, *,
-                 comm_dtype: torch.dtype | None = None, overlap: bool = False,
-                 bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20):
+    def __init__(
+        self,
+        like: list[torch.Tensor],
+        groups: list,
+        divisor: int,
+        *,
+        comm_dtype: torch.dtype | None = None,
+        overlap: bool = False,
+        bucket_bytes: int = 25 * 2**20,
+        first_bucket_bytes: int = 2**20,
+    ):
         self.groups, self.divisor, self.overlap = groups, divisor, overlap
         self.buckets: list[_Bucket] = []
         self.slots: list[_Slot] = [None] * len(like)  # type: ignore[list-item]

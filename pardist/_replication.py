@@ -58,8 +58,10 @@ def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | No
     dist.all_gather_object(gathered, mine, group=group)
     for r, theirs in zip(ranks[1:], gathered[1:]):
         if len(theirs) != len(gathered[0]):
-            return (f"the tree has {len(gathered[0])} leaves on rank {ranks[0]} but "
-                    f"{len(theirs)} on rank {r}")
+            return (
+                f"the tree has {len(gathered[0])} leaves on rank {ranks[0]} but "
+                f"{len(theirs)} on rank {r}"
+            )
         for (path, a), (_, b) in zip(gathered[0], theirs):
             if a != b:
                 return f"{path} is {_show(a)} on rank {ranks[0]} but {_show(b)} on rank {r}"

@@ -220,6 +220,8 @@ def rank0_first(fn, *args, **kwargs):
         return result
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise RuntimeError(f"pardist.rank0_first: rank 0 failed running "
-                           f"{getattr(fn, '__name__', 'fn')}, so this rank did not: {outcome[0]}")
+        raise RuntimeError(
+            f"pardist.rank0_first: rank 0 failed running "
+            f"{getattr(fn, '__name__', 'fn')}, so this rank did not: {outcome[0]}"
+        )
     return fn(*args, **kwargs)

@@ -59,8 +59,12 @@ def _is_spec(x: Any) -> bool:
 def flat_specs(specs: Any, tree: Any, *, where: str, specs_name: str, tree_name: str) -> list[P]:
     """One spec per leaf of ``tree`` (None in a spec tree means ``P()``)."""
     flat = _tree.broadcast_prefix(
-        specs, tree, is_prefix_leaf=_is_spec, where=where,
-        prefix_name=specs_name, full_name=tree_name,
+        specs,
+        tree,
+        is_prefix_leaf=_is_spec,
+        where=where,
+        prefix_name=specs_name,
+        full_name=tree_name,
     )
     return [P() if s is None else s for s in flat]
 

@@ -98,9 +98,12 @@ def broadcast_prefix(
         if set(by_key) != set(keys):
             missing = [keystr((k,)) for k in keys if k not in by_key]
             extra = [keystr((k,)) for k in by_key if k not in set(keys)]
-            fail(path, f"the spec is {_kind(p)}, the argument is {_kind(f)}"
-                 + (f"; the spec lacks {', '.join(missing)}" if missing else "")
-                 + (f"; the spec has extra {', '.join(extra)}" if extra else ""))
+            fail(
+                path,
+                f"the spec is {_kind(p)}, the argument is {_kind(f)}"
+                + (f"; the spec lacks {', '.join(missing)}" if missing else "")
+                + (f"; the spec has extra {', '.join(extra)}" if extra else ""),
+            )
         for key, child in f_children:
             walk(by_key[key], child, path + (key,))
 

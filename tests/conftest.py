@@ -37,8 +37,7 @@ def run(_groups):
     def run(nprocs: int, fn, *args, timeout: float = CALL_TIMEOUT, env=None, **kwargs):
         key = (nprocs, tuple(sorted((env or {}).items())))
         if key not in _groups:
-            _groups[key] = Workers(nprocs, start_method="forkserver", env=env,
-                                   timeout=CALL_TIMEOUT)
+            _groups[key] = Workers(nprocs, start_method="forkserver", env=env, timeout=CALL_TIMEOUT)
         try:
             return _groups[key].run(fn, *args, timeout=timeout, **kwargs)
         except SpawnError:

@@ -23,9 +23,16 @@ def mlp() -> nn.Module:
 def convnet() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-        nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
 
 
 MODELS = {"mlp": mlp, "convnet": convnet}
@@ -53,9 +60,16 @@ def torch_optimizer(name: str, params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def train_pardist(model: str = "mlp", opt_name: str = "sgd", steps: int = 4, *,
-                  sync_bn: bool = True, whole_batch: bool = False, donate: bool = False,
-                  **dp_options):
+def train_pardist(
+    model: str = "mlp",
+    opt_name: str = "sgd",
+    steps: int = 4,
+    *,
+    sync_bn: bool = True,
+    whole_batch: bool = False,
+    donate: bool = False,
+    **dp_options,
+):
     """Train with data_parallel; return (params, buffers, per-step losses, per-step prints)."""
     apply, params, buffers = pardist.functional(MODELS[model](), sync_bn=sync_bn)
     opt = make_optimizer(opt_name)
@@ -67,12 +81,14 @@ def train_pardist(model: str = "mlp", opt_name: str = "sgd", steps: int = 4, *,
 
     def step(params, buffers, state, batch):
         (loss, new_buffers), grads = pardist.value_and_grad(loss_fn, has_aux=True)(
-            params, buffers, *batch)
+            params, buffers, *batch
+        )
         params, state = opt.update(grads, state, params)
         return params, new_buffers, state, loss
 
-    step = pardist.data_parallel(step, axis="gpu", donate_argnums=(0, 2) if donate else (),
-                                 **dp_options)
+    step = pardist.data_parallel(
+        step, axis="gpu", donate_argnums=(0, 2) if donate else (), **dp_options
+    )
     rank, world = pardist.rank(), pardist.world_size()
     losses, prints = [], []
     for s in range(steps):

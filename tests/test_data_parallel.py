@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 import torch.nn.functional as F
 
 import pardist
 from pardist import P
-
-import helpers
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -99,7 +98,7 @@ def test_donation_updates_in_place(run):
     for changed, aliased, (n_params, n_buffers, _) in run(2, _check_unmutated, True):
         assert aliased  # the new params are the donated tensors, updated in place
         assert any(changed[:n_params])
-        assert not any(changed[n_params:n_params + n_buffers])  # buffers were not donated
+        assert not any(changed[n_params : n_params + n_buffers])  # buffers were not donated
 
 
 def test_donation_gives_the_same_numbers(run):
@@ -200,7 +199,10 @@ def _replicated_shape_differs():
 
 def test_replicated_input_shape_differs(run):
     for msg in run(2, _replicated_shape_differs):
-        assert "args[0]['w'] is shape (3,) (float32) on rank 0 but shape (4,) (float32) on rank 1" in msg
+        assert (
+            "args[0]['w'] is shape (3,) (float32) on rank 0 but shape (4,) (float32) on rank 1"
+            in msg
+        )
 
 
 def _replicated_values_differ():
@@ -223,8 +225,11 @@ def test_spec_errors(world1):
     with pytest.raises(ValueError, match=r"in_specs\[1\] does not fit args\[1\].*lacks \['y'\]"):
         step(torch.ones(1), {"y": torch.ones(2)})
     step = pardist.data_parallel(lambda p, b: p, in_specs=(P(), P("gpu", None, None)))
-    with pytest.raises(ValueError, match=r"in_spec of args\[1\] is P\('gpu', None, None\).*"
-                                         r"shape \(4, 2\), only 2 dims"):
+    with pytest.raises(
+        ValueError,
+        match=r"in_spec of args\[1\] is P\('gpu', None, None\).*"
+        r"shape \(4, 2\), only 2 dims",
+    ):
         step(torch.ones(1), torch.ones(4, 2))
     step = pardist.data_parallel(lambda p, b: p)
     with pytest.raises(TypeError, match=r"args\[1\]\['lr'\] is a float .*not a tensor"):
@@ -235,7 +240,9 @@ def test_spec_errors(world1):
 
 def test_axis_not_in_mesh(world1):
     step = pardist.data_parallel(lambda p, b: p, axis="tpu")
-    with pytest.raises(ValueError, match=r"axis 'tpu' is not in the mesh \(axes: 'gpu' of size 1\)"):
+    with pytest.raises(
+        ValueError, match=r"axis 'tpu' is not in the mesh \(axes: 'gpu' of size 1\)"
+    ):
         step(torch.ones(1), torch.ones(1))
 
 

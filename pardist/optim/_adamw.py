@@ -23,10 +23,18 @@ class AdamWState(NamedTuple):
     max_exp_avg_sq: Any  # like params with amsgrad, else None
 
 
-def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-          eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-          maximize: bool = False, fused: bool | None = None, foreach: bool | None = None,
-          decoupled: bool = True) -> Optimizer:
+def adamw(
+    lr: float | Callable[[int], float] = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
+    fused: bool | None = None,
+    foreach: bool | None = None,
+    decoupled: bool = True,
+) -> Optimizer:
     """AdamW, step for step equal to ``torch.optim.AdamW`` (same defaults).
 
     Runs torch's fused AdamW kernel where the device has one (CPU and CUDA), with
@@ -49,24 +57,37 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
     """
     beta1, beta2 = betas
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1) or eps < 0 or weight_decay < 0:
-        raise ValueError(f"pardist.optim.adamw: betas={betas} must lie in [0, 1); eps={eps} "
-                         f"and weight_decay={weight_decay} must be >= 0.")
+        raise ValueError(
+            f"pardist.optim.adamw: betas={betas} must lie in [0, 1); eps={eps} "
+            f"and weight_decay={weight_decay} must be >= 0."
+        )
     name = "pardist.optim.adamw" if decoupled else "pardist.optim.adam"
 
     def init_fn(params):
         _tree.check_tensor_leaves(params, where=f"{name}.init", name="params")
         zeros = lambda: _tree.tree_map(torch.zeros_like, params)  # noqa: E731
-        return AdamWState(torch.zeros((), dtype=torch.int64), zeros(), zeros(),
-                          zeros() if amsgrad else None)
+        return AdamWState(
+            torch.zeros((), dtype=torch.int64), zeros(), zeros(), zeros() if amsgrad else None
+        )
 
     def update_fn(grads, state, params):
         g, p, treedef = aligned(grads, params, f"{name}.update")
-        leaves = [_tree.tree_leaves(state.exp_avg), _tree.tree_leaves(state.exp_avg_sq),
-                  _tree.tree_leaves(state.max_exp_avg_sq) if amsgrad else None]
+        leaves = [
+            _tree.tree_leaves(state.exp_avg),
+            _tree.tree_leaves(state.exp_avg_sq),
+            _tree.tree_leaves(state.max_exp_avg_sq) if amsgrad else None,
+        ]
         in_place, p, (m, v, vmax) = owned(p, *leaves)
         step = int(state.count) + 1
-        options = dict(lr=schedule_value(lr, state.count), beta1=beta1, beta2=beta2,
-                       weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize)
+        options = dict(
+            lr=schedule_value(lr, state.count),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=maximize,
+        )
         if foreach is None and fused_ok(p, fused):
             _fused(p, g, m, v, vmax or [], step, decoupled, options)
         else:
@@ -74,8 +95,12 @@ def adamw(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] 
             kernel = torch_adamw if decoupled else torch_adam
             kernel(p, g, m, v, vmax or [], steps, foreach=foreach, **options)
         unflat = lambda ts: _tree.tree_unflatten(ts, treedef)  # noqa: E731
-        return unflat(p), AdamWState(next_count(state.count, in_place), unflat(m), unflat(v),
-                                     unflat(vmax) if amsgrad else None)
+        return unflat(p), AdamWState(
+            next_count(state.count, in_place),
+            unflat(m),
+            unflat(v),
+            unflat(vmax) if amsgrad else None,
+        )
 
     return Optimizer(init_fn, update_fn)
 
@@ -87,12 +112,18 @@ def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:
         groups[(t.device, t.dtype)].append(i)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
     for (device, _), index in groups.items():
-        pick = lambda ts: [ts[i] for i in index] if ts else []  # noqa: E731
+        pick = lambda ts, index=index: [ts[i] for i in index] if ts else []  # noqa: E731
         steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(index)
         kernel(pick(p), pick(g), pick(m), pick(v), pick(vmax), steps, **options)
 
 
-def adam(lr: float | Callable[[int], float] = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-         eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, **kwargs) -> Optimizer:
+def adam(
+    lr: float | Callable[[int], float] = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    amsgrad: bool = False,
+    **kwargs,
+) -> Optimizer:
     """Adam with L2 weight decay, equal to ``torch.optim.Adam``; see :func:`adamw`."""
     return adamw(lr, betas, eps, weight_decay, amsgrad, decoupled=False, **kwargs)

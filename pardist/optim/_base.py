@@ -59,7 +59,8 @@ def chain(*parts: GradientTransformation | Optimizer) -> GradientTransformation 
         if not isinstance(part, GradientTransformation):
             raise TypeError(
                 f"pardist.optim.chain: part {i} is a {type(part).__name__}; only the last "
-                "part may be an optimizer, the others must be gradient transformations.")
+                "part may be an optimizer, the others must be gradient transformations."
+            )
 
     def init_fn(params):
         return tuple(part.init(params) for part in parts)
@@ -88,13 +89,15 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
     if g_def != treedef:
         raise ValueError(
             f"{where}: grads and params have different structures ({len(g_leaves)} vs "
-            f"{len(p_leaves)} leaves). Pass the gradients of exactly these params.")
+            f"{len(p_leaves)} leaves). Pass the gradients of exactly these params."
+        )
     _tree.check_tensor_leaves(params, where=where, name="params")
     for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), p_leaves):
         if not isinstance(g, torch.Tensor) or g.shape != p.shape:
             shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-            raise ValueError(f"{where}: {path} has shape {shape} but its parameter has "
-                             f"shape {tuple(p.shape)}.")
+            raise ValueError(
+                f"{where}: {path} has shape {shape} but its parameter has shape {tuple(p.shape)}."
+            )
     return g_leaves, p_leaves, treedef
 
 

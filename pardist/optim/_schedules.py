@@ -9,7 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-__all__ = ["constant", "cosine_decay", "flat_cos", "linear_warmup", "one_cycle", "piecewise_constant"]
+__all__ = [
+    "constant",
+    "cosine_decay",
+    "flat_cos",
+    "linear_warmup",
+    "one_cycle",
+    "piecewise_constant",
+]
 
 Schedule = Callable[[int], float]
 
@@ -43,8 +50,13 @@ def linear_warmup(schedule: Schedule | float, warmup_steps: int, start: float = 
     return warm
 
 
-def one_cycle(total_steps: int, max_lr: float, pct_start: float = 0.3, div_factor: float = 25.0,
-              final_div_factor: float = 1e4) -> Schedule:
+def one_cycle(
+    total_steps: int,
+    max_lr: float,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
     """The one-cycle policy, equal to ``torch.optim.lr_scheduler.OneCycleLR`` (cosine).
 
     Rises from ``max_lr / div_factor`` to ``max_lr`` over the first ``pct_start``
@@ -69,7 +81,9 @@ def one_cycle(total_steps: int, max_lr: float, pct_start: float = 0.3, div_facto
     return schedule
 
 
-def flat_cos(total_steps: int, lr: float, pct_start: float = 0.75, div_final: float = 1e5) -> Schedule:
+def flat_cos(
+    total_steps: int, lr: float, pct_start: float = 0.75, div_final: float = 1e5
+) -> Schedule:
     """fastai's ``fit_flat_cos``: flat at ``lr``, then cosine down to ``lr / div_final``."""
     flat = int(total_steps * pct_start)
 

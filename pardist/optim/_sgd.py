@@ -19,9 +19,17 @@ class SGDState(NamedTuple):
     momentum_buffer: Any  # like params; None without momentum
 
 
-def sgd(lr: float | Callable[[int], float], momentum: float = 0.0, dampening: float = 0.0,
-        weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-        fused: bool | None = None, foreach: bool | None = None) -> Optimizer:
+def sgd(
+    lr: float | Callable[[int], float],
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    *,
+    maximize: bool = False,
+    fused: bool | None = None,
+    foreach: bool | None = None,
+) -> Optimizer:
     """Stochastic gradient descent, step for step equal to ``torch.optim.SGD``.
 
     It runs torch's own SGD kernels (fused where the device has them), so the
@@ -44,8 +52,10 @@ def sgd(lr: float | Callable[[int], float], momentum: float = 0.0, dampening: fl
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("pardist.optim.sgd: nesterov=True needs momentum > 0 and dampening 0.")
     if momentum < 0 or weight_decay < 0 or (not callable(lr) and lr < 0):
-        raise ValueError(f"pardist.optim.sgd: lr={lr}, momentum={momentum} and "
-                         f"weight_decay={weight_decay} must be >= 0.")
+        raise ValueError(
+            f"pardist.optim.sgd: lr={lr}, momentum={momentum} and "
+            f"weight_decay={weight_decay} must be >= 0."
+        )
 
     def init_fn(params):
         _tree.check_tensor_leaves(params, where="pardist.optim.sgd.init", name="params")
@@ -59,13 +69,25 @@ def sgd(lr: float | Callable[[int], float], momentum: float = 0.0, dampening: fl
         in_place, p, (buffers,) = owned(p, None if first else old)
         if buffers is None:  # torch starts the momentum from the first gradient
             buffers = [None] * len(p)
+        if foreach and nesterov and not weight_decay:
+            g = [t.clone() for t in g]  # torch's foreach Nesterov adds into the gradients
         torch_sgd(
-            p, g, buffers, weight_decay=weight_decay, momentum=momentum,
-            lr=schedule_value(lr, state.count), dampening=dampening, nesterov=nesterov,
-            maximize=maximize, fused=fused_ok(p, fused) if foreach is None else False,
-            foreach=foreach)
+            p,
+            g,
+            buffers,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=schedule_value(lr, state.count),
+            dampening=dampening,
+            nesterov=nesterov,
+            maximize=maximize,
+            fused=fused_ok(p, fused) if foreach is None else False,
+            foreach=foreach,
+        )
         new_buffers = _tree.tree_unflatten(buffers, treedef) if momentum else None
-        return (_tree.tree_unflatten(p, treedef),
-                SGDState(next_count(state.count, in_place), new_buffers))
+        return (
+            _tree.tree_unflatten(p, treedef),
+            SGDState(next_count(state.count, in_place), new_buffers),
+        )
 
     return Optimizer(init_fn, update_fn)

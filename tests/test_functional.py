@@ -1,0 +1,77 @@
+"""functional(module): a pure apply; cross-replica batch norm."""
+
+from __future__ import annotations
+
+import helpers
+import torch
+from torch import nn
+
+import pardist
+from pardist import CrossReplicaBatchNorm
+
+
+def test_apply_is_pure_and_matches_the_module():
+    net = helpers.convnet()
+    reference = helpers.convnet()
+    apply, params, buffers = pardist.functional(net)
+    x = torch.randn(6, 1, 8, 8)
+    saved = {k: v.clone() for k, v in {**params, **buffers}.items()}
+    out, new_buffers = apply(params, buffers, x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)  # train mode, like the module
+    for k, v in {**params, **buffers}.items():
+        assert torch.equal(v, saved[k]), k  # nothing passed in was mutated
+    for k, v in reference.named_buffers():
+        assert torch.equal(new_buffers[k], v), k  # the running stats the module would have
+    assert all(p.device.type != "meta" for p in net.parameters())  # the module is untouched
+    reference.eval()
+    evaluated, same = apply(params, new_buffers, x, train=False)
+    torch.testing.assert_close(evaluated, reference(x), rtol=0, atol=0)
+    assert all(torch.equal(same[k], new_buffers[k]) for k in same)
+
+
+def test_later_changes_to_the_module_do_not_leak_in():
+    net = helpers.mlp()
+    apply, params, buffers = pardist.functional(net)
+    x = torch.randn(2, 8)
+    before, _ = apply(params, buffers, x)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    net.eval()
+    after, _ = apply(params, buffers, x)
+    assert torch.equal(before, after)
+
+
+def test_convert_batchnorm_keeps_names_and_state():
+    net = helpers.convnet()
+    state = net.state_dict()
+    assert pardist.convert_batchnorm(net) is net
+    assert sum(isinstance(m, CrossReplicaBatchNorm) for m in net.modules()) == 2
+    assert list(net.state_dict()) == list(state)
+    net.load_state_dict(state)
+    x = torch.randn(4, 1, 8, 8)
+    torch.testing.assert_close(net(x), helpers.convnet()(x))  # same outside a step
+
+
+def _bn_layer(momentum):
+    # a lone BatchNorm1d with momentum=None (cumulative average) and odd shard sizes
+    bn = nn.BatchNorm1d(3, momentum=momentum)
+    apply, params, buffers = pardist.functional(bn)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 3, generator=g) * 3 + 1
+    sizes = [4, 4, 3][: pardist.world_size()] if pardist.world_size() == 3 else None
+    mine = x.split(sizes)[pardist.rank()] if sizes else x
+    step = pardist.data_parallel(lambda p, b, x: apply(p, b, x), out_specs=(pardist.P("gpu"), None))
+    assert isinstance(pardist.convert_batchnorm(nn.BatchNorm1d(3)), CrossReplicaBatchNorm)
+    for _ in range(2):
+        out, buffers = step(params, buffers, mine)
+    return out, buffers
+
+
+def test_cross_replica_statistics_over_uneven_shards(run, world1):
+    out1, buffers1 = _bn_layer(None)
+    got = run(3, _bn_layer, None)
+    torch.testing.assert_close(torch.cat([o for o, _ in got]), out1, rtol=1e-5, atol=1e-5)
+    for _, buffers in got:
+        for k in buffers1:
+            torch.testing.assert_close(buffers[k], buffers1[k], rtol=1e-5, atol=1e-6)
