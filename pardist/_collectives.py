@@ -115,6 +115,29 @@ def _map(tree: Any, where: str, fn) -> Any:
     return _tree.tree_unflatten([fn(leaf) for leaf in leaves], spec)
 
 
+def _coalesced(tree: Any, where: str, fn) -> Any:
+    """Apply an elementwise collective ``fn`` once per (dtype, device), not once per leaf.
+
+    A tree of many small tensors (batch-norm buffers, metrics) then costs one
+    collective. The flattening is differentiable (cat / split), so autograd and
+    torch.func see through it.
+    """
+    leaves, spec = _tensors(tree, where)
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    groups: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault((leaf.dtype, leaf.device), []).append(i)
+    for index in groups.values():
+        if len(index) == 1:
+            out[index[0]] = fn(leaves[index[0]])
+            continue
+        flat = fn(torch.cat([leaves[i].reshape(-1) for i in index]))
+        pieces = flat.split([leaves[i].numel() for i in index])
+        for i, piece in zip(index, pieces):
+            out[i] = piece.view(leaves[i].shape)
+    return _tree.tree_unflatten(out, spec)
+
+
 def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
     """Sum every tensor leaf of ``tree`` over the ranks of ``axis``.
 
@@ -129,14 +152,18 @@ def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
         >>> pardist.shutdown()
     """
     groups = _mesh.current_mesh("psum").groups(axis, "psum")
-    return _map(tree, "pardist.psum", lambda x: _Psum.apply(x, groups) if groups else x)
+    if not groups:
+        return _map(tree, "pardist.psum", lambda x: x)
+    return _coalesced(tree, "pardist.psum", lambda x: _Psum.apply(x, groups))
 
 
 def pmean(tree: Any, axis: str | tuple[str, ...]) -> Any:
     """Average every tensor leaf of ``tree`` over the ranks of ``axis`` (differentiable)."""
     mesh = _mesh.current_mesh("pmean")
     groups, size = mesh.groups(axis, "pmean"), mesh.size(axis, "pmean")
-    return _map(tree, "pardist.pmean", lambda x: _Psum.apply(x, groups) / size if groups else x)
+    if not groups:
+        return _map(tree, "pardist.pmean", lambda x: x)
+    return _coalesced(tree, "pardist.pmean", lambda x: _Psum.apply(x, groups) / size)
 
 
 def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
@@ -145,7 +172,9 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
     The gradient flows to the ranks holding the maximum (split evenly on ties).
     """
     groups = _mesh.current_mesh("pmax").groups(axis, "pmax")
-    return _map(tree, "pardist.pmax", lambda x: _Pmax.apply(x, groups) if groups else x)
+    if not groups:
+        return _map(tree, "pardist.pmax", lambda x: x)
+    return _coalesced(tree, "pardist.pmax", lambda x: _Pmax.apply(x, groups))
 
 
 def all_gather(tree: Any, axis: str | tuple[str, ...], dim: int = 0) -> Any:

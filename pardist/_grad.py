@@ -30,23 +30,6 @@ from pardist._reducer import Reducer
 __all__ = ["grad", "value_and_grad"]
 
 
-class _Contribute(torch.autograd.Function):
-    """Identity forward; the backward hands the gradient to the reducer."""
-
-    @staticmethod
-    def forward(x, reducer, index):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.reducer, ctx.index = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.reducer.add(ctx.index, g)
-        return None, None, None  # the caller reads the reduced gradient from the reducer
-
-
 class _MeanGrad(torch.autograd.Function):
     """Identity forward; the backward is a differentiable mean over the groups."""
 
@@ -180,7 +163,7 @@ def _compute(
     kwargs: dict,
     where: str,
 ):
-    """Returns (value, aux, grads) with grads shaped like ``args[argnums]``."""
+    """(value, aux, grads like args[argnums], whether value is already the global mean)."""
     nums = _argnums_tuple(argnums, len(args), where)
     batch_nums = tuple(n for n in _argnums_tuple(batch_argnums, len(args), where) if n not in nums)
     ctx = current_step()
@@ -205,8 +188,10 @@ def _compute(
     reducer = None
     if reduce or accumulate > 1:
         rep = [t for t, r in zip(leaves, replicated) if r]
-        reducer = _reducer(ctx, rep) if reduce else Reducer(rep, [], 1)
-        slot = {i: j for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
+        # Slot 0 carries the loss, so that its mean rides in the last bucket for free.
+        like = [torch.empty((), dtype=rep[0].dtype, device=rep[0].device)] + rep if rep else []
+        reducer = _reducer(ctx, like) if reduce else Reducer(like, [], 1)
+        slot = {i: j + 1 for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
         reducer.begin(accumulate)
     local_sum: list[torch.Tensor | None] = [None] * len(leaves)
     values, auxes = [], []
@@ -214,25 +199,26 @@ def _compute(
         if reducer is not None and j == accumulate - 1:
             reducer.last_micro_batch()
         inputs = [t.detach().requires_grad_() for t in leaves]
-        wrapped = [
-            _Contribute.apply(x, reducer, slot[i]) if reducer is not None and replicated[i] else x
-            for i, x in enumerate(inputs)
-        ]
+        for i, x in enumerate(inputs):
+            if reducer is not None and replicated[i]:
+                # The reducer takes each gradient the moment autograd produces it.
+                x.register_hook(functools.partial(_hand_over, reducer, slot[i]))
         call = list(margs)
         start = 0
         for n, part in zip(nums, flat):
             call[n] = _tree.tree_unflatten(
-                wrapped[start : start + len(part)], _tree.tree_flatten(args[n])[1]
+                inputs[start : start + len(part)], _tree.tree_flatten(args[n])[1]
             )
             start += len(part)
         with torch.enable_grad():
             value, aux = _split(f(*call, **kwargs), has_aux, where)
-        wanted = [i for i, x in enumerate(inputs) if reducer is None or not replicated[i]]
+        if reducer is not None and slot:
+            reducer.add(0, value.detach())
         if value.requires_grad:
             got = torch.autograd.grad(value, inputs, allow_unused=True)
-            for i in wanted:
-                if got[i] is not None:
-                    local_sum[i] = got[i] if local_sum[i] is None else local_sum[i] + got[i]
+            for i, g in enumerate(got):
+                if g is not None and (reducer is None or not replicated[i]):
+                    local_sum[i] = g if local_sum[i] is None else local_sum[i] + g
         values.append(value.detach())
         auxes.append(
             _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
@@ -246,8 +232,16 @@ def _compute(
             grads.append(torch.zeros_like(t))
         else:
             grads.append(local_sum[i] / accumulate if accumulate > 1 else local_sum[i])
-    value = torch.stack(values).mean() if accumulate > 1 else values[0]
-    return value, _stack(auxes), _regroup(grads, nums, flat, args)
+    if reduce and slot:
+        value, mean_done = reduced[0].to(values[0].dtype), True  # the global mean loss
+    else:
+        value = torch.stack(values).mean() if accumulate > 1 else values[0]
+        mean_done = False
+    return value, _stack(auxes), _regroup(grads, nums, flat, args), mean_done
+
+
+def _hand_over(reducer: Reducer, index: int, grad: torch.Tensor) -> None:
+    reducer.add(index, grad)
 
 
 def _regroup(grads: list, nums: tuple, flat: list, args: tuple) -> Any:
@@ -287,10 +281,10 @@ def _compute_functorch(
         value, aux = out if has_aux else (out, None)
         results.append((value, aux, g))
     if accumulate == 1:
-        return results[0]
+        return (*results[0], False)
     grads = _tree.tree_map(lambda *gs: sum(gs) / accumulate, *[r[2] for r in results])
     value = torch.stack([r[0] for r in results]).mean()
-    return value, _stack([r[1] for r in results]), grads
+    return value, _stack([r[1] for r in results]), grads, False
 
 
 def grad(
@@ -334,7 +328,7 @@ def grad(
     def grad_f(*args, **kwargs):
         if current_step() is None and accumulate == 1:
             return torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
-        _, aux, grads = _compute(
+        _, aux, grads, _ = _compute(
             f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
         )
         return (grads, aux) if has_aux else grads
@@ -372,10 +366,10 @@ def value_and_grad(
         if ctx is None and accumulate == 1:
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
             return out, grads
-        value, aux, grads = _compute(
+        value, aux, grads, mean_done = _compute(
             f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
         )
-        if ctx is not None and ctx.size > 1:
+        if ctx is not None and ctx.size > 1 and not mean_done:
             value = _collectives.pmean(value, ctx.axis)
         return ((value, aux) if has_aux else value), grads
 

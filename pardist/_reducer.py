@@ -20,6 +20,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from pardist._shm import SharedMemoryAllReduce
+
 __all__ = ["Reducer"]
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -99,6 +101,11 @@ class Reducer:
             self.slots[i] = _Slot(b, bucket.numel, t.numel(), t.shape)
             bucket.slots.append(i)
             bucket.numel += t.numel()
+        # CPU buckets on one host go through shared memory instead of gloo's loopback TCP.
+        self._shm = None
+        if groups and any(b.device.type == "cpu" for b in self.buckets):
+            largest = max(b.numel * (b.comm_dtype or b.dtype).itemsize for b in self.buckets)
+            self._shm = SharedMemoryAllReduce.for_group(groups[0], largest)
         self._written = [False] * len(like)
         self._next = 0
         self._last = True
@@ -148,7 +155,10 @@ class Reducer:
         if bucket.comm is not None:
             bucket.comm.copy_(data)
             data = bucket.comm
-        bucket.work = dist.all_reduce(data, group=self.groups[0], async_op=True)
+        if self._shm is not None and data.device.type == "cpu":
+            self._shm.all_reduce(data)
+        else:
+            bucket.work = dist.all_reduce(data, group=self.groups[0], async_op=True)
 
     def finish(self) -> list[torch.Tensor]:
         """Reduce whatever is left, wait, and return the averaged gradients."""

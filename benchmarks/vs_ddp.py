@@ -1,0 +1,212 @@
+"""pardist's data-parallel step against torch DDP, measured side by side in one run.
+
+    python benchmarks/vs_ddp.py                      # 1 and 2 ranks, all three models
+    python benchmarks/vs_ddp.py --ranks 2 --steps 40 --models mlp3m
+
+For every model and world size, one process group runs these variants
+interleaved step by step (so machine noise hits all of them alike) and reports
+the median milliseconds per step:
+
+    local      plain torch: forward, backward, optimizer step; no communication
+    allreduce  a standalone all-reduce of a flat buffer the size of the gradients
+    ddp        torch DistributedDataParallel, default settings
+    ddp_half   DDP with its bf16_compress_hook (fp16_compress_hook on CPU, where
+               DDP refuses bf16)
+    pardist    pardist.data_parallel + pardist.grad + pardist.optim, params donated
+    pardist_half  the same with compression in that half dtype
+
+The no-overlap limit is local + allreduce. Each rank runs one thread. On CUDA the
+same script runs with nccl (and reports CUDA-synchronised times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import pardist
+
+
+def mlp(width: int, hidden: int, depth: int) -> nn.Module:
+    layers, d = [], width
+    for _ in range(depth):
+        layers += [nn.Linear(d, hidden), nn.ReLU()]
+        d = hidden
+    return nn.Sequential(*layers, nn.Linear(d, 10))
+
+
+def convnet() -> nn.Module:
+    def block(cin, cout, stride):
+        return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+
+    return nn.Sequential(*block(3, 32, 1), *block(32, 64, 2), *block(64, 128, 2),
+                         *block(128, 192, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(192, 10))
+
+
+# name: (model factory, input shape per sample, per-rank batch)
+MODELS = {
+    "mlp3m": (lambda: mlp(1024, 1536, 2), (1024,), 64),
+    "convnet": (convnet, (3, 32, 32), 32),
+    "mlp25m": (lambda: mlp(2048, 4096, 2), (2048,), 16),
+}
+
+
+def HALF() -> str:  # noqa: N802
+    """DDP's bf16 hook needs NCCL; elsewhere the comparison is in fp16."""
+    return "bf16" if pardist.device().type == "cuda" else "fp16"
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def variants(name: str, world: int):
+    """{variant: step function} for one model, each with its own state."""
+    make, shape, batch = MODELS[name]
+    device = pardist.device()
+    g = torch.Generator().manual_seed(pardist.rank())
+    x = torch.randn(batch, *shape, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    out = {}
+
+    def torch_step(net, opt):
+        def step():
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+        return step
+
+    torch.manual_seed(0)
+    local = make().to(device)
+    out["local"] = torch_step(local, torch.optim.SGD(local.parameters(), lr=1e-3, momentum=0.9))
+    flat = torch.zeros(sum(p.numel() for p in local.parameters()), device=device)
+    out["allreduce"] = lambda: dist.all_reduce(flat)
+    half = HALF()
+    hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+    for hook in (None, hooks[half]):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(make().to(device))
+        if hook is not None:
+            ddp.register_comm_hook(None, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
+        out["ddp" if hook is None else "ddp_half"] = torch_step(ddp, opt)
+    for compression in (None, half):
+        torch.manual_seed(0)
+        apply, params, buffers = pardist.functional(make().to(device), sync_bn=False)
+        sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
+        state = {"all": (params, buffers, sgd.init(params))}
+
+        def loss_fn(params, buffers, x, y):
+            logits, buffers = apply(params, buffers, x)
+            return F.cross_entropy(logits, y), buffers
+
+        def train_step(params, buffers, opt_state, batch):
+            grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)
+            params, opt_state = sgd.update(grads, opt_state, params)
+            return params, buffers, opt_state
+
+        step = pardist.data_parallel(train_step, donate_argnums=(0, 2), compression=compression)
+
+        def run(step=step, state=state):
+            state["all"] = step(*state["all"], (x, y))
+
+        out["pardist" if compression is None else "pardist_half"] = run
+    return out
+
+
+def measure(names: list[str], steps: int, warmup: int) -> dict:
+    world = dist.get_world_size()
+    results = {}
+    for name in names:
+        fns = variants(name, world)
+        times = {k: [] for k in fns}
+        for i in range(warmup + steps):
+            for k, fn in fns.items():  # interleaved: every variant once per round
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                if i >= warmup:
+                    times[k].append(time.perf_counter() - t0)
+        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        # every rank measured; the step is as slow as its slowest rank
+        gathered = [None] * world
+        dist.all_gather_object(gathered, med)
+        results[name] = {k: max(m[k] for m in gathered) for k in med}
+    return results
+
+
+def worker(names, steps, warmup, threads):
+    torch.set_num_threads(threads)
+    return measure(names, steps, warmup)
+
+
+def table(rows: list[dict]) -> str:
+    half = HALF()
+    head = (f"| model | ranks | local | allreduce | limit | DDP | DDP {half} | pardist | "
+            f"pardist {half} | pardist/DDP | pardist/limit | {half}: pardist/DDP |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        limit = r["local"] + (r["allreduce"] if r["ranks"] > 1 else 0.0)
+        lines.append(
+            f"| {r['model']} | {r['ranks']} | {r['local']:.1f} | {r['allreduce']:.1f} | "
+            f"{limit:.1f} | {r['ddp']:.1f} | {r['ddp_half']:.1f} | {r['pardist']:.1f} | "
+            f"{r['pardist_half']:.1f} | {r['pardist'] / r['ddp']:.2f} | "
+            f"{r['pardist'] / limit:.2f} | {r['pardist_half'] / r['ddp_half']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4))
+    keys = ["local", "ddp", "pardist", "ddp_half", "pardist_half"]
+    colors = ["#999999", "#d62728", "#1f77b4", "#ff9896", "#aec7e8"]
+    for ax, r in zip(axes, rows):
+        ax.bar(range(len(keys)), [r[k] for k in keys], color=colors)
+        if r["ranks"] > 1:
+            ax.axhline(r["local"] + r["allreduce"], ls="--", c="k", lw=1, label="limit")
+        ax.set_xticks(range(len(keys)), keys, rotation=60, fontsize=8)
+        ax.set_title(f"{r['model']}, {r['ranks']} rank(s)", fontsize=9)
+        ax.set_ylabel("ms / step" if ax is axes[0] else "")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    rows = []
+    for ranks in args.ranks:
+        got = pardist.spawn(worker, ranks, args.models, args.steps, args.warmup, args.threads)
+        rows += [{"model": m, "ranks": ranks, **got[m]} for m in args.models]
+    print(table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "vs_ddp.json"), "w") as f:
+        json.dump({"device": str(pardist.device()), "rows": rows, "args": vars(args)}, f, indent=1)
+    plot(rows, os.path.join(args.out, "vs_ddp.png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Mixed precision: autocast for the step's device, and a functional dynamic loss scale.
+
+bf16 needs no loss scaling: wrap the forward in ``pardist.amp.autocast('bf16')``.
+fp16 does: scale the loss, unscale the gradients, and skip the update when they
+are not finite. The skip decision must be the same on every rank, or the
+replicas diverge; inside a data-parallel step :func:`DynamicLossScale.unscale`
+agrees on it over the step's axis. The state is a NamedTuple of tensors, so it
+travels through ``data_parallel`` and checkpoints like the optimizer state.
+
+Example (inside a step):
+
+    (loss, grads) = pardist.value_and_grad(lambda p, b: scaler.scale(loss_fn(p, b), ls))(p, b)
+    grads, finite = scaler.unscale(grads, ls)
+    if finite:
+        params, opt_state = opt.update(grads, opt_state, params)
+    ls = scaler.adjust(ls, finite)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from pardist import _collectives, _runtime, _tree
+from pardist._context import current_step
+
+__all__ = ["DynamicLossScale", "LossScaleState", "autocast", "dynamic_loss_scale"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def autocast(dtype: str | torch.dtype = "bf16", *, enabled: bool = True) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` on pardist's device: the same line works on CPU and GPU.
+
+    Example:
+        >>> import pardist, torch
+        >>> with pardist.amp.autocast('bf16'):
+        ...     y = torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3))
+        >>> y.dtype
+        torch.bfloat16
+    """
+    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=_runtime.device().type, dtype=dtype, enabled=enabled)
+
+
+class LossScaleState(NamedTuple):
+    scale: torch.Tensor  # float32 scalar
+    good_steps: torch.Tensor  # int64 scalar: finite steps since the last change
+
+
+class DynamicLossScale(NamedTuple):
+    """``init``, ``scale``, ``unscale`` and ``adjust``: pure functions of the state."""
+
+    init: Callable[[], LossScaleState]
+    scale: Callable[[Any, LossScaleState], Any]
+    unscale: Callable[[Any, LossScaleState], tuple[Any, bool]]
+    adjust: Callable[[LossScaleState, bool], LossScaleState]
+
+
+def dynamic_loss_scale(init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                       backoff_factor: float = 0.5, growth_interval: int = 2000) -> DynamicLossScale:
+    """The dynamic loss scale of ``torch.amp.GradScaler``, as pure functions.
+
+    Args:
+        init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler.
+
+    Returns:
+        A :class:`DynamicLossScale`. ``unscale(grads, state)`` returns the
+        gradients divided by the scale and whether all of them are finite on
+        every rank of the running step's axis (a one-element ``pmax``).
+
+    Example:
+        >>> import pardist, torch
+        >>> scaler = pardist.amp.dynamic_loss_scale(init_scale=8.0)
+        >>> state = scaler.init()
+        >>> grads, finite = scaler.unscale({'w': torch.tensor([8., float('inf')])}, state)
+        >>> finite, float(scaler.adjust(state, finite).scale)
+        (False, 4.0)
+    """
+
+    def init_fn() -> LossScaleState:
+        return LossScaleState(torch.tensor(float(init_scale)), torch.zeros((), dtype=torch.int64))
+
+    def scale_fn(loss, state: LossScaleState):
+        return _tree.tree_map(lambda x: x * state.scale.to(x.device), loss)
+
+    def unscale_fn(grads, state: LossScaleState) -> tuple[Any, bool]:
+        leaves, treedef = _tree.tree_flatten(grads)
+        if not leaves:
+            return grads, True
+        inverse = (1.0 / state.scale).to(leaves[0].device)
+        unscaled = torch._foreach_mul(leaves, inverse)
+        norms = torch._foreach_norm(unscaled)  # inf or nan wherever an element is
+        bad = (~torch.stack([n.to(leaves[0].device) for n in norms]).isfinite()).any().float()
+        ctx = current_step()
+        if ctx is not None and ctx.size > 1:
+            bad = _collectives.pmax(bad, ctx.axis)  # the same verdict on every rank
+        return _tree.tree_unflatten(unscaled, treedef), not bool(bad)
+
+    def adjust_fn(state: LossScaleState, finite: bool) -> LossScaleState:
+        if not finite:
+            return LossScaleState(state.scale * backoff_factor, torch.zeros_like(state.good_steps))
+        good = state.good_steps + 1
+        if int(good) >= growth_interval:
+            return LossScaleState(state.scale * growth_factor, torch.zeros_like(good))
+        return LossScaleState(state.scale, good)
+
+    return DynamicLossScale(init_fn, scale_fn, unscale_fn, adjust_fn)
