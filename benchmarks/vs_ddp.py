@@ -174,7 +174,8 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4))
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4), squeeze=False)
+    axes = list(axes[0])
     keys = ["local", "ddp", "pardist", "ddp_half", "pardist_half"]
     colors = ["#999999", "#d62728", "#1f77b4", "#ff9896", "#aec7e8"]
     for ax, r in zip(axes, rows):
@@ -184,6 +185,8 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_xticks(range(len(keys)), keys, rotation=60, fontsize=8)
         ax.set_title(f"{r['model']}, {r['ranks']} rank(s)", fontsize=9)
         ax.set_ylabel("ms / step" if ax is axes[0] else "")
+        if r["ranks"] > 1:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

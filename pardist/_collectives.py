@@ -19,22 +19,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pardist import _mesh, _tree
+from pardist import _mesh, _shm, _tree
 
 __all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean", "psum"]
 
 
-def _sum_groups(x: torch.Tensor, groups: list) -> torch.Tensor:
+def _reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
+    """A reduced copy of ``x``: through shared memory for CPU ranks on one host, else the backend."""
     y = x.detach().clone(memory_format=torch.contiguous_format)
     for group in groups:
-        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        shm = _shm.for_collectives(group) if y.device.type == "cpu" else None
+        if shm is not None:
+            shm.all_reduce(y, op)
+        else:
+            dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
+                            group=group)
     return y
 
 
 class _Psum(torch.autograd.Function):
     @staticmethod
     def forward(x, groups):
-        return _sum_groups(x, groups)
+        return _reduce(x, groups, "sum")
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -52,10 +58,7 @@ class _Psum(torch.autograd.Function):
 class _Pmax(torch.autograd.Function):
     @staticmethod
     def forward(x, groups):
-        y = x.detach().clone(memory_format=torch.contiguous_format)
-        for group in groups:
-            dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
-        return y
+        return _reduce(x, groups, "max")
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -77,11 +80,12 @@ class _Pmax(torch.autograd.Function):
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(x, group, dim):
-        parts = [
-            torch.empty_like(x, memory_format=torch.contiguous_format)
-            for _ in range(dist.get_world_size(group))
-        ]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        shm = _shm.for_collectives(group) if x.device.type == "cpu" else None
+        parts = shm.all_gather(x) if shm is not None else None
+        if parts is None:
+            parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+                     for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod

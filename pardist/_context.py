@@ -17,7 +17,16 @@ import torch
 
 from pardist._mesh import Mesh
 
-__all__ = ["StepContext", "current_step", "debug_enabled", "entered", "is_donated"]
+__all__ = [
+    "StepContext",
+    "current_step",
+    "debug_enabled",
+    "donating",
+    "entered",
+    "is_donated",
+    "shard_group",
+    "sharded_over",
+]
 
 
 @dataclasses.dataclass
@@ -31,6 +40,7 @@ class StepContext:
     varying: set[int]  # ids of input leaves sharded over the step's axis
     donated: set[int]  # ids of input leaves the caller donated
     reducers: dict[Any, Any]  # persistent across calls: key -> pardist._reducer.Reducer
+    scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
     compression: torch.dtype | None = None
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
@@ -59,6 +69,38 @@ def is_donated(tensors: list[torch.Tensor]) -> bool:
     """Whether every tensor was donated to the running step (so may be updated in place)."""
     ctx = current_step()
     return bool(ctx and tensors) and all(id(t) in ctx.donated for t in tensors)
+
+
+@contextlib.contextmanager
+def donating(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Treat ``tensors`` (buffers pardist owns) as donated inside the running step."""
+    ctx = current_step()
+    added = set() if ctx is None else {id(t) for t in tensors} - ctx.donated
+    if ctx is not None:
+        ctx.donated |= added
+    try:
+        yield
+    finally:
+        if ctx is not None:
+            ctx.donated -= added
+
+
+_shard_groups: list = []
+
+
+@contextlib.contextmanager
+def sharded_over(group) -> Iterator[None]:
+    """Inside: optimizer leaves are this rank's shards of tensors split over ``group``."""
+    _shard_groups.append(group)
+    try:
+        yield
+    finally:
+        _shard_groups.pop()
+
+
+def shard_group():
+    """The group that the optimizer's current leaves are sharded over, or None."""
+    return _shard_groups[-1] if _shard_groups else None
 
 
 def debug_enabled() -> bool:

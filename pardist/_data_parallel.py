@@ -16,10 +16,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pardist import _mesh, _replication, _specs, _tree
 from pardist._context import StepContext, debug_enabled, entered
 from pardist._specs import P
+from pardist.optim._sharded import ShardedState
 
 __all__ = ["data_parallel"]
 
@@ -87,20 +89,26 @@ class _Step:
                 _specs.check_fits(
                     spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
                 )
-            self._specs_cache[key] = flat
+            # A sharded optimizer state over this axis: its parameters' gradients are
+            # reduce-scattered (its signature is static, part of the tree structure).
+            nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
+            scatter = frozenset(n.signature for n in nodes
+                                if isinstance(n, ShardedState) and n.axis == axes)
+            self._specs_cache[key] = flat, scatter
         return self._specs_cache[key]
 
     def __call__(self, *args, **kwargs):
         mesh = self.mesh or _mesh.current_mesh(self.where.removeprefix("pardist."))
         axes = mesh.axes(self.axis, self.where.removeprefix("pardist."))
-        specs = self._leaf_specs(args, mesh, axes)
+        specs, scatter = self._leaf_specs(args, mesh, axes)
         named = _tree.leaves_with_paths(args, "args")
         leaves = [leaf for _, leaf in named]
         self._check_not_consumed(named)
         check = self.calls == 0 or debug_enabled()
         group = mesh.group(axes) if check else None
         if check:
-            replicated = [(p, x) for (p, x), s in zip(named, specs) if not set(s.axes) & set(axes)]
+            replicated = [(p, x) for (p, x), s in zip(named, specs)
+                          if not set(s.axes) & set(axes) and not isinstance(x, DTensor)]
             problem = _replication.mismatch(replicated, group)
             if problem:
                 raise ValueError(
@@ -121,7 +129,9 @@ class _Step:
             mesh=mesh,
             axis=axes,
             size=mesh.size(axes),
-            varying={id(x) for x, s in zip(leaves, specs) if set(s.axes) & set(axes)},
+            varying={id(x) for x, s in zip(leaves, specs)
+                     if set(s.axes) & set(axes) or isinstance(x, DTensor)},
+            scatter=scatter,
             donated=donated,
             reducers=self.reducers,
             compression=self.compression,
@@ -168,7 +178,8 @@ class _Step:
             _specs.check_fits(
                 spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
             )
-        replicated = [(p, x) for (p, x), s in zip(named, flat) if not set(s.axes) & set(axes)]
+        replicated = [(p, x) for (p, x), s in zip(named, flat)
+                      if not set(s.axes) & set(axes) and not isinstance(x, DTensor)]
         problem = _replication.mismatch(replicated, group)
         if problem:
             axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)

@@ -22,10 +22,12 @@ from typing import Any
 import einops
 import torch
 import torch.func
+from torch.distributed.tensor import DTensor, Shard
 
 from pardist import _collectives, _tree
 from pardist._context import StepContext, current_step
 from pardist._reducer import Reducer
+from pardist._zero import ScatterReducer, signature
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -124,6 +126,21 @@ def _stack(items: list[Any]) -> Any:
     return _tree.tree_unflatten(leaves, spec)
 
 
+def _scatter_reducer(ctx: StepContext, like: list[torch.Tensor]) -> ScatterReducer:
+    key = ("scatter", signature(like), tuple(t.device for t in like), ctx.axis, ctx.bucket_bytes)
+    if key not in ctx.reducers:
+        ctx.reducers[key] = ScatterReducer(
+            like, ctx.mesh.group(ctx.axis), ctx.size, ctx.mesh.index(ctx.axis),
+            bucket_bytes=ctx.bucket_bytes, first_bucket_bytes=ctx.first_bucket_bytes)
+    return ctx.reducers[key]
+
+
+def _as_shard(local: torch.Tensor, like: torch.Tensor, ctx: StepContext) -> DTensor:
+    """This rank's flat shard of a mean gradient, as a DTensor that knows its layout."""
+    return DTensor.from_local(local, ctx.mesh.submesh(ctx.axis), [Shard(0)],
+                              shape=(like.numel(),), stride=(1,), run_check=False)
+
+
 def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
     key = (
         tuple((t.shape, t.dtype, t.device) for t in like),
@@ -185,13 +202,18 @@ def _compute(
         return _compute_functorch(
             f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
         )
-    reducer = None
+    reducer, carry, scatter = None, 0, False
     if reduce or accumulate > 1:
         rep = [t for t, r in zip(leaves, replicated) if r]
-        # Slot 0 carries the loss, so that its mean rides in the last bucket for free.
-        like = [torch.empty((), dtype=rep[0].dtype, device=rep[0].device)] + rep if rep else []
-        reducer = _reducer(ctx, like) if reduce else Reducer(like, [], 1)
-        slot = {i: j + 1 for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
+        scatter = reduce and bool(ctx.scatter) and signature(rep) in ctx.scatter
+        if scatter:  # a sharded optimizer takes these: reduce-scatter (ZeRO-2)
+            reducer = _scatter_reducer(ctx, rep)
+        else:
+            # Slot 0 carries the loss, so that its mean rides in the last bucket for free.
+            carry = 1 if rep else 0
+            like = [torch.empty((), dtype=rep[0].dtype, device=rep[0].device)] * carry + rep
+            reducer = _reducer(ctx, like) if reduce else Reducer(like, [], 1)
+        slot = {i: j + carry for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
         reducer.begin(accumulate)
     local_sum: list[torch.Tensor | None] = [None] * len(leaves)
     values, auxes = [], []
@@ -212,7 +234,7 @@ def _compute(
             start += len(part)
         with torch.enable_grad():
             value, aux = _split(f(*call, **kwargs), has_aux, where)
-        if reducer is not None and slot:
+        if carry:
             reducer.add(0, value.detach())
         if value.requires_grad:
             got = torch.autograd.grad(value, inputs, allow_unused=True)
@@ -227,13 +249,14 @@ def _compute(
     grads = []
     for i, t in enumerate(leaves):
         if reducer is not None and replicated[i]:
-            grads.append(reduced[slot[i]])
+            grads.append(_as_shard(reduced[slot[i]], t, ctx) if scatter else reduced[slot[i]])
         elif local_sum[i] is None:
             grads.append(torch.zeros_like(t))
         else:
             grads.append(local_sum[i] / accumulate if accumulate > 1 else local_sum[i])
-    if reduce and slot:
-        value, mean_done = reduced[0].to(values[0].dtype), True  # the global mean loss
+    if reduce and carry:
+        # The global mean loss, copied out: callers keep losses, not bucket views.
+        value, mean_done = reduced[0].to(values[0].dtype, copy=True), True
     else:
         value = torch.stack(values).mean() if accumulate > 1 else values[0]
         mean_done = False

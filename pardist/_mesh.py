@@ -132,6 +132,14 @@ class Mesh:
                 self._flat[names] = self.device_mesh[names]._flatten().get_group()
         return self._flat[names]
 
+    def submesh(self, axis: AxisName, where: str = "Mesh"):
+        """The 1-D DeviceMesh over ``axis`` (flattened, for a tuple), e.g. for DTensors."""
+        names = self.axes(axis, where)
+        if len(names) == 1:
+            return self.device_mesh[names[0]]
+        self.group(names, where)  # makes (and checks the order of) the flattened mesh
+        return self.device_mesh[names]._flatten()
+
     def __enter__(self) -> Mesh:
         _stack.append(self)
         return self

@@ -11,27 +11,30 @@ Buckets are reused from step to step: a fresh 100 MB buffer per step costs page
 faults that dwarf the reduction. A bucket whose storage is still referenced by a
 caller (who kept last step's gradients) is left to the caller and replaced, so
 reuse never changes a value anyone can see.
+
+For CPU ranks on one host the buckets live in shared memory (``_shm``) and are
+reduced there in place, with no copy in or out; where /dev/shm is short of room
+they are staged through a smaller shared region; elsewhere gloo or nccl reduce.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
 
-from pardist._shm import SharedMemoryAllReduce
+from pardist._shm import ALIGN, SharedMemoryGroup
 
 __all__ = ["Reducer"]
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _in_use(t: torch.Tensor) -> bool:
-    if _use_count is None:
-        return True  # cannot tell: never reuse
-    # The tensor itself and the temporary storage object hold two references.
-    return _use_count(t.untyped_storage()._cdata) > 2
+def _references(t: torch.Tensor) -> int:
+    # The count includes the temporary storage object made to ask.
+    return _use_count(t.untyped_storage()._cdata) if _use_count is not None else 1 << 30
 
 
 @dataclasses.dataclass
@@ -45,20 +48,46 @@ class _Slot:
 class _Bucket:
     def __init__(self, dtype: torch.dtype, device: torch.device, comm_dtype: torch.dtype | None):
         self.dtype, self.device, self.comm_dtype = dtype, device, comm_dtype
-        self.numel = 0
+        self.numel = 0  # rows * row
+        self.row = 0
         self.slots: list[int] = []
-        self.buffer: torch.Tensor | None = None
+        self.arena_offset: int | None = None  # byte offset in the shared regions
+        self.buffer: torch.Tensor | None = None  # this step's: shared region or private
+        self.private: torch.Tensor | None = None
         self.comm: torch.Tensor | None = None
+        self.shared = False  # this step's buffer is the bucket's shared-memory region
         self.pending = 0
         self.work = None
 
-    def acquire(self) -> None:
-        if self.buffer is None or _in_use(self.buffer):
-            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        if self.comm_dtype is not None and self.comm is None:
-            self.comm = torch.empty(self.numel, dtype=self.comm_dtype, device=self.device)
-        self.pending = len(self.slots)
-        self.work = None
+
+def assign(like: list[torch.Tensor], width, rows: int, comm_dtype, bucket_bytes: int,
+           first_bucket_bytes: int) -> tuple[list[_Bucket], list[tuple[int, int]]]:
+    """Group tensors into buckets, in reverse order (the last layers' gradients come first).
+
+    Each tensor takes ``width(t)`` elements of its bucket's row; a bucket is
+    ``rows`` rows (1 for all-reduce, the group size for reduce-scatter) and closes
+    once it holds ``bucket_bytes`` (``first_bucket_bytes`` for the first, so that
+    communication starts early). Tensors of different dtype or device never share
+    a bucket. Returns the buckets and each tensor's (bucket, column offset).
+    """
+    buckets: list[_Bucket] = []
+    places: list[tuple[int, int]] = [(0, 0)] * len(like)
+    open_by_kind: dict[tuple, int] = {}
+    for i in reversed(range(len(like))):
+        t = like[i]
+        kind = (t.dtype, t.device)
+        b = open_by_kind.get(kind)
+        cap = first_bucket_bytes if len(buckets) == 0 or b == 0 else bucket_bytes
+        if b is None or buckets[b].numel * t.element_size() >= cap:
+            cd = comm_dtype if comm_dtype is not None and t.is_floating_point() else None
+            buckets.append(_Bucket(t.dtype, t.device, cd if cd != t.dtype else None))
+            b = open_by_kind[kind] = len(buckets) - 1
+        bucket = buckets[b]
+        places[i] = (b, bucket.row)
+        bucket.slots.append(i)
+        bucket.row += width(t)
+        bucket.numel = rows * bucket.row
+    return buckets, places
 
 
 class Reducer:
@@ -72,49 +101,67 @@ class Reducer:
         overlap: launch each bucket's all-reduce as soon as it is full.
     """
 
-    def __init__(
-        self,
-        like: list[torch.Tensor],
-        groups: list,
-        divisor: int,
-        *,
-        comm_dtype: torch.dtype | None = None,
-        overlap: bool = False,
-        bucket_bytes: int = 25 * 2**20,
-        first_bucket_bytes: int = 2**20,
-    ):
+    def __init__(self, like: list[torch.Tensor], groups: list, divisor: int, *,
+                 comm_dtype: torch.dtype | None = None, overlap: bool = False,
+                 bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20):
         self.groups, self.divisor, self.overlap = groups, divisor, overlap
-        self.buckets: list[_Bucket] = []
-        self.slots: list[_Slot] = [None] * len(like)  # type: ignore[list-item]
-        open_by_kind: dict[tuple, int] = {}
-        # Reverse order: the last layers' gradients are ready first.
-        for i in reversed(range(len(like))):
-            t = like[i]
-            kind = (t.dtype, t.device)
-            b = open_by_kind.get(kind)
-            cap = first_bucket_bytes if len(self.buckets) == 0 or b == 0 else bucket_bytes
-            if b is None or self.buckets[b].numel * t.element_size() >= cap:
-                cd = comm_dtype if comm_dtype is not None and t.is_floating_point() else None
-                self.buckets.append(_Bucket(t.dtype, t.device, cd if cd != t.dtype else None))
-                b = open_by_kind[kind] = len(self.buckets) - 1
-            bucket = self.buckets[b]
-            self.slots[i] = _Slot(b, bucket.numel, t.numel(), t.shape)
-            bucket.slots.append(i)
-            bucket.numel += t.numel()
-        # CPU buckets on one host go through shared memory instead of gloo's loopback TCP.
-        self._shm = None
-        if groups and any(b.device.type == "cpu" for b in self.buckets):
-            largest = max(b.numel * (b.comm_dtype or b.dtype).itemsize for b in self.buckets)
-            self._shm = SharedMemoryAllReduce.for_group(groups[0], largest)
+        self._build(like, comm_dtype, bucket_bytes, first_bucket_bytes)
+        self.arena = self.staging = None
+        if groups:
+            self._share_cpu_buckets(groups[0])
         self._written = [False] * len(like)
         self._next = 0
         self._last = True
         self._scale = 1.0
 
+    def _build(self, like, comm_dtype, bucket_bytes: int, first_bucket_bytes: int) -> None:
+        self.buckets, places = assign(like, lambda t: t.numel(), 1, comm_dtype, bucket_bytes,
+                                      first_bucket_bytes)
+        self.slots = [_Slot(b, offset, t.numel(), t.shape) for (b, offset), t in zip(places, like)]
+
+    def _share_cpu_buckets(self, group) -> None:
+        """Put CPU buckets in shared memory if the group shares a host (else None)."""
+        cpu = [b for b in self.buckets if b.device.type == "cpu"]
+        if not cpu:
+            return
+        if all(b.comm_dtype is None for b in cpu) and os.environ.get("PARDIST_SHM") != "staging":
+            offset = 0
+            for b in cpu:
+                b.arena_offset = offset
+                offset += -(-b.numel * b.dtype.itemsize // ALIGN) * ALIGN
+            self.arena = SharedMemoryGroup.create(group, offset)
+            if self.arena is not None:
+                self._idle_references = _references(self.arena._data)
+                return
+            for b in cpu:
+                b.arena_offset = None
+        largest = max(b.numel * (b.comm_dtype or b.dtype).itemsize for b in cpu)
+        self.staging = SharedMemoryGroup.create(group, largest)
+
     def begin(self, micro_batches: int = 1) -> None:
         """Start one gradient computation of ``micro_batches`` backward passes."""
         for bucket in self.buckets:
-            bucket.acquire()
+            bucket.buffer = None  # our own views must not count as a caller's
+        # Gradients handed out last time are views of the buckets: a caller who
+        # still holds any keeps them, and this step reduces in fresh buffers. All
+        # ranks must choose alike, or their collectives would not match.
+        shared = self.arena is not None and self.arena.agree(
+            _references(self.arena._data) <= self._idle_references)
+        for bucket in self.buckets:
+            bucket.shared = shared and bucket.arena_offset is not None
+            if bucket.shared:
+                bucket.buffer = self.arena.view(
+                    self.arena.index, bucket.arena_offset, bucket.numel, bucket.dtype)
+            else:
+                if bucket.private is None or _references(bucket.private) > 2:
+                    bucket.private = torch.empty(
+                        bucket.numel, dtype=bucket.dtype, device=bucket.device)
+                bucket.buffer = bucket.private
+            if bucket.comm_dtype is not None and bucket.comm is None:
+                bucket.comm = torch.empty(
+                    bucket.numel, dtype=bucket.comm_dtype, device=bucket.device)
+            bucket.pending = len(bucket.slots)
+            bucket.work = None
         self._written = [False] * len(self.slots)
         self._next = 0
         self._scale = self.divisor * micro_batches
@@ -151,23 +198,30 @@ class Reducer:
     def _launch(self, bucket: _Bucket) -> None:
         if not self.groups:
             return
+        if bucket.shared:
+            self.arena.reduce_in_place(bucket.arena_offset, bucket.numel, bucket.dtype)
+            return
         data = bucket.buffer
         if bucket.comm is not None:
             bucket.comm.copy_(data)
             data = bucket.comm
-        if self._shm is not None and data.device.type == "cpu":
-            self._shm.all_reduce(data)
+        if self.staging is not None and data.device.type == "cpu":
+            self.staging.all_reduce(data)
         else:
             bucket.work = dist.all_reduce(data, group=self.groups[0], async_op=True)
 
-    def finish(self) -> list[torch.Tensor]:
-        """Reduce whatever is left, wait, and return the averaged gradients."""
+    def _zero(self, i: int) -> None:
+        self._view(i).zero_()
+
+    def _finish_buckets(self) -> None:
         for i, written in enumerate(self._written):
             if not written:  # unused on this rank: it contributes zero
-                self._view(i).zero_()
+                self._zero(i)
         for bucket in self.buckets:
             bucket.pending = 0
         self._launch_ready()
+        if self.arena is not None and self.groups and any(b.shared for b in self.buckets):
+            self.arena.barrier()  # every rank has copied out before regions are rewritten
         for bucket in self.buckets:
             data = bucket.buffer if bucket.comm is None else bucket.comm
             if bucket.work is not None:
@@ -176,4 +230,8 @@ class Reducer:
                 dist.all_reduce(data, group=group)
             if bucket.comm is not None:
                 bucket.buffer.copy_(bucket.comm)
+
+    def finish(self) -> list[torch.Tensor]:
+        """Reduce whatever is left, wait, and return the averaged gradients."""
+        self._finish_buckets()
         return [self._view(i) for i in range(len(self.slots))]

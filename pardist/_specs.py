@@ -15,7 +15,7 @@ import torch
 from pardist import _tree
 from pardist._mesh import Mesh
 
-__all__ = ["P", "flat_specs", "spec_axes", "check_fits"]
+__all__ = ["P", "check_fits", "flat_specs", "spec_axes", "specs"]
 
 
 class P(tuple):
@@ -27,6 +27,8 @@ class P(tuple):
         (P('gpu'), P(), P(None, ('node', 'gpu')))
         >>> P('gpu').axes
         ('gpu',)
+        >>> import pickle; pickle.loads(pickle.dumps(P('gpu', None)))
+        P('gpu', None)
     """
 
     def __new__(cls, *entries: str | tuple[str, ...] | None) -> P:
@@ -38,6 +40,9 @@ class P(tuple):
                     f"names, got {entry!r} in P{entries!r}."
                 )
         return super().__new__(cls, entries)
+
+    def __getnewargs__(self) -> tuple:
+        return tuple(self)  # pickle passes the entries back one by one
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -98,3 +103,34 @@ def check_fits(spec: P, leaf: Any, path: str, mesh: Mesh, *, where: str, spec_pa
             f"shape {tuple(leaf.shape)}, only {leaf.ndim} dims. Give at most one entry "
             "per dim (P() replicates; P('gpu') splits dim 0)."
         )
+
+
+def specs(tree: Any) -> Any:
+    """The layout of each leaf of ``tree`` as a spec: ``P()`` unless it is a sharded DTensor.
+
+    A DTensor placed ``Shard(d)`` on mesh dim ``'gpu'`` gets ``'gpu'`` at entry
+    ``d`` (the layout of a sharded optimizer's state, for instance).
+
+    Example:
+        >>> import pardist, torch
+        >>> pardist.specs({'w': torch.ones(2), 'n': 3})
+        {'w': P(), 'n': P()}
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    def spec(leaf: Any) -> P:
+        if not isinstance(leaf, DTensor):
+            return P()
+        names = leaf.device_mesh.mesh_dim_names or tuple(
+            f"dim{i}" for i in range(leaf.device_mesh.ndim))
+        entries: list = [None] * leaf.ndim
+        for name, placement in zip(names, leaf.placements):
+            if isinstance(placement, Shard):
+                entries[placement.dim] = name if entries[placement.dim] is None else (
+                    *(entries[placement.dim] if isinstance(entries[placement.dim], tuple)
+                      else (entries[placement.dim],)), name)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    return _tree.tree_map(spec, tree)

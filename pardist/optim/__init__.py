@@ -15,6 +15,7 @@ from pardist.optim._schedules import (
     piecewise_constant,
 )
 from pardist.optim._sgd import SGDState, sgd
+from pardist.optim._sharded import ShardedState, sharded
 from pardist.optim._transforms import clip_by_global_norm, clip_by_value, global_norm
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "GradientTransformation",
     "Optimizer",
     "SGDState",
+    "ShardedState",
     "adam",
     "adamw",
     "chain",
@@ -35,4 +37,5 @@ __all__ = [
     "one_cycle",
     "piecewise_constant",
     "sgd",
+    "sharded",
 ]

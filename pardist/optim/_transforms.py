@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pardist import _tree
+from pardist._context import shard_group
 from pardist.optim._base import GradientTransformation
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
@@ -21,8 +24,20 @@ def global_norm(tree) -> torch.Tensor:
     leaves = _tree.check_tensor_leaves(tree, where="pardist.optim.global_norm", name="tree")
     if not leaves:
         return torch.tensor(0.0)
-    norms = torch._foreach_norm(leaves, 2.0)
-    return torch.linalg.vector_norm(torch.stack([n.to(leaves[0].device) for n in norms]), 2.0)
+    local = [x.to_local() if isinstance(x, DTensor) else x for x in leaves]
+    norms = torch.stack([n.to(local[0].device) for n in torch._foreach_norm(local, 2.0)])
+    group = shard_group()  # inside optim.sharded: every leaf is this rank's shard
+    shards = [group is not None or isinstance(x, DTensor) for x in leaves]
+    if not any(shards):
+        return torch.linalg.vector_norm(norms, 2.0)
+    # Shards of tensors split over ranks: their squares are summed over the group.
+    squares = norms.square()
+    mask = torch.tensor(shards, device=squares.device)
+    sharded = squares[mask].sum()
+    if group is None:
+        group = next(x for x in leaves if isinstance(x, DTensor)).device_mesh.get_group()
+    dist.all_reduce(sharded, group=group)
+    return (squares[~mask].sum() + sharded).sqrt()
 
 
 def clip_by_global_norm(max_norm: float, eps: float = 1e-6) -> GradientTransformation:

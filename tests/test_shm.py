@@ -1,0 +1,93 @@
+"""Shared-memory all-reduce for CPU ranks on one host, and the reducer's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pardist
+from pardist._shm import SharedMemoryGroup
+
+import helpers
+
+
+def _sums(numels):
+    group = dist.group.WORLD
+    shm = SharedMemoryGroup.create(group, 256)  # small regions: big tensors go in passes
+    out = []
+    for n in numels:
+        t = torch.arange(n, dtype=torch.float64) * (dist.get_rank() + 1)
+        shm.all_reduce(t)
+        out.append(t)
+    return shm is not None, out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_all_reduce_in_passes_and_uneven_chunks(run, nprocs):
+    numels = [1, 2, 5, 32, 100]  # fewer elements than ranks, not divisible, several passes
+    total = sum(range(1, nprocs + 1))
+    results = run(nprocs, _sums, numels)
+    for used, sums in results:
+        assert used
+        for n, t in zip(numels, sums):
+            assert torch.equal(t, torch.arange(n, dtype=torch.float64) * total)
+
+
+def _train(keep_on: int | None):
+    """Two steps; rank ``keep_on`` holds step 1's gradients through step 2."""
+    apply, params, _ = pardist.functional(helpers.mlp())
+    step = pardist.data_parallel(lambda p, b: pardist.grad(
+        lambda p, x, y: torch.nn.functional.cross_entropy(apply(p, {}, x)[0], y))(p, *b))
+    r, kept, grads = pardist.rank(), None, []
+    for s in range(2):
+        x, y = helpers.global_batch(s, "mlp")
+        g = step(params, (helpers.shard(x, r, 2), helpers.shard(y, r, 2)))
+        grads.append({k: v.clone() for k, v in g.items()})
+        if r == keep_on:
+            kept = g
+        del g
+    reducer = next(iter(step.reducers.values()))
+    return grads, kept is not None, reducer.arena is not None, reducer.staging is not None
+
+
+def test_reducer_keeps_buckets_in_shared_memory(run):
+    shm = run(2, _train, None)
+    gloo = run(2, _train, None, env={"PARDIST_SHM": "0"})
+    staged = run(2, _train, None, env={"PARDIST_SHM": "staging"})
+    assert [r[2:] for r in shm] == [(True, False)] * 2
+    assert [r[2:] for r in gloo] == [(False, False)] * 2
+    assert [r[2:] for r in staged] == [(False, True)] * 2
+    for other in (gloo, staged):
+        for a, b in zip(shm[0][0], other[0][0]):
+            for k in a:
+                torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(shm[0][0][1][k], shm[1][0][1][k]) for k in shm[0][0][1])
+
+
+def test_ranks_that_disagree_about_held_gradients_still_agree(run):
+    # Rank 0 keeps its gradients (so its buckets are in use); rank 1 does not.
+    # Both must take the same path in step 2, or their collectives would not match.
+    mixed = run(2, _train, 0)
+    plain = run(2, _train, None)
+    for (g_mixed, *_), (g_plain, *_) in zip(mixed, plain):
+        for a, b in zip(g_mixed, g_plain):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _skip_on_rank_1():
+    step = pardist.data_parallel(lambda w, b: pardist.grad(lambda w, b: (b @ w).sum())(w, b))
+    w = torch.ones(3)
+    step(w, torch.ones(2, 3))
+    if pardist.rank() == 1:
+        return "skipped"
+    try:
+        step(w, torch.ones(2, 3))
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_a_rank_that_skips_times_out_with_a_clear_error(run):
+    out = run(2, _skip_on_rank_1, env={"PARDIST_TIMEOUT": "3"})
+    assert out[1] == "skipped"
+    assert "shared-memory all-reduce waited 3 s for group rank(s) [1]" in out[0]
