@@ -34,9 +34,11 @@ class CrossReplicaBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not self.training or ctx is None or ctx.size == 1:
             return super().forward(x)
         self._check_input_dim(x)
+        out_dtype = x.dtype
+        x = x.float()  # statistics in float32 under bf16/fp16 autocast, as cuDNN's
         dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
-        count = torch.tensor(float(x.numel() // x.shape[1]), device=x.device, dtype=x.dtype)
+        count = torch.tensor(float(x.numel() // x.shape[1]), device=x.device)
         mean = x.mean(dims)
         m2 = (x - mean.view(shape)).pow(2).sum(dims)
         stats = torch.cat([count.view(1), mean, m2])[None]
@@ -52,7 +54,7 @@ class CrossReplicaBatchNorm(nn.modules.batchnorm._BatchNorm):
             y = y * self.weight.view(shape) + self.bias.view(shape)
         if self.track_running_stats:
             self._update_running_stats(global_mean, global_m2, total)
-        return y
+        return y.to(out_dtype)
 
     @torch.no_grad()
     def _update_running_stats(self, mean, m2, total) -> None:

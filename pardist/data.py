@@ -11,6 +11,7 @@ evaluation metrics. Under the hood it is an ordinary torch ``DataLoader`` over a
 per-rank list of indices, so workers, pinning and collation are torch's own.
 
 :func:`even` and :func:`check_even` guard loaders you shard yourself.
+:func:`untar` downloads and extracts a data set once (fastai's ``untar_data``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 from pardist import _even, _gather, _mesh, _runtime, _seed
 from pardist._context import debug_enabled
+from pardist._download import untar
 from pardist._even import Even, check_even, even
 
-__all__ = ["Even", "ShardedLoader", "check_even", "even", "shard"]
+__all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "untar"]
 
 _WHERE = "pardist.data.shard"
 # DataLoader arguments that shard decides; every other one is copied from the loader.

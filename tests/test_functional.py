@@ -75,3 +75,23 @@ def test_cross_replica_statistics_over_uneven_shards(run, world1):
     for _, buffers in got:
         for k in buffers1:
             torch.testing.assert_close(buffers[k], buffers1[k], rtol=1e-5, atol=1e-6)
+
+
+def _bf16_statistics():
+    bn = nn.BatchNorm1d(3)
+    apply, params, buffers = pardist.functional(bn)
+    x = torch.randn(64, 3, generator=torch.Generator().manual_seed(1)) + 100
+    step = pardist.data_parallel(
+        lambda p, b, x: apply(p, b, x.to(torch.bfloat16)), out_specs=(pardist.P("gpu"), None)
+    )
+    out, new = step(params, buffers, x.chunk(2)[pardist.rank()])
+    return out.dtype, new["running_var"]
+
+
+def test_cross_replica_statistics_are_float32_under_bf16(run):
+    # Around 100 bf16 keeps steps of 0.5: squared deviations summed in bf16 are far off.
+    x = (torch.randn(64, 3, generator=torch.Generator().manual_seed(1)) + 100).to(torch.bfloat16)
+    expected = 0.9 + 0.1 * x.float().var(0)  # momentum 0.1 from ones, unbiased variance
+    for dtype, running_var in run(2, _bf16_statistics):
+        assert dtype == torch.bfloat16
+        torch.testing.assert_close(running_var, expected, rtol=1e-4, atol=1e-4)
