@@ -3,12 +3,9 @@
     python examples/imagenette.py                                       # one process
     torchrun --standalone --nproc_per_node=2 examples/imagenette.py     # two processes
 
-fastai's 160-px Imagenette archive is downloaded and extracted once into --cache (or
---data DIR names an extracted copy). DataLoader workers decode the JPEGs with Pillow; each
-global batch of --bs images is split between the ranks and pardist.grad averages the
-gradients. Validation accuracy is exact (pardist.gather). Every epoch is checkpointed;
---resume continues from the newest. On a GPU the forward runs in bf16. The last line is
-``final: epoch=E train_loss=... valid_loss=... valid_accuracy=... images_per_s=...``.
+fastai's 160-px archive is fetched once into --cache (or --data names an extracted copy);
+DataLoader workers decode JPEGs with Pillow; each global batch is split between the ranks;
+validation accuracy is exact; every epoch is checkpointed (--resume). bf16 on GPUs.
 """
 
 import argparse
@@ -34,8 +31,7 @@ MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, on a 0..
 
 
 def center_box(w: int, h: int, cw: int, ch: int) -> tuple[int, int, int, int]:
-    x, y = (w - cw) // 2, (h - ch) // 2
-    return x, y, x + cw, y + ch
+    return (w - cw) // 2, (h - ch) // 2, (w - cw) // 2 + cw, (h - ch) // 2 + ch
 
 
 def random_box(w: int, h: int, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3)):
@@ -125,16 +121,6 @@ def show(metrics: dict[str, float]) -> str:
     return " ".join(f"{k}={v:.{1 if k == 'images_per_s' else 4}f}" for k, v in metrics.items())
 
 
-def find_data(args: argparse.Namespace) -> Path:
-    try:  # untar: rank 0 downloads and extracts while the others wait, then they reuse it
-        root = Path(args.data) if args.data else pardist.data.untar(args.url, args.cache)
-    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: rank 0 failed
-        fail(str(exc))
-    if not all((root / split).is_dir() for split in ("train", "val")):
-        fail(f"{root} has no train/ and val/ folders.")
-    return root
-
-
 def main() -> None:
     workers = min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     parser = argparse.ArgumentParser(
@@ -156,7 +142,12 @@ def main() -> None:
     pardist.init()
     device = pardist.device()
     cuda = device.type == "cuda"
-    root = find_data(args)
+    try:  # untar: rank 0 downloads and extracts while the others wait, then they reuse it
+        root = Path(args.data) if args.data else pardist.data.untar(args.url, args.cache)
+    except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: rank 0 failed
+        fail(str(exc))
+    if not all((root / split).is_dir() for split in ("train", "val")):
+        fail(f"{root} has no train/ and val/ folders.")
     classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
     train_set = Images(root / "train", classes, args.size, train=True)
     valid_set = Images(root / "val", classes, args.size, train=False)
