@@ -48,9 +48,15 @@ def convnet() -> nn.Module:
     def block(cin, cout, stride):
         return [nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
 
-    return nn.Sequential(*block(3, 32, 1), *block(32, 64, 2), *block(64, 128, 2),
-                         *block(128, 192, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(192, 10))
+    return nn.Sequential(
+        *block(3, 32, 1),
+        *block(32, 64, 2),
+        *block(64, 128, 2),
+        *block(128, 192, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(192, 10),
+    )
 
 
 # name: (model factory, input shape per sample, per-rank batch)
@@ -85,6 +91,7 @@ def variants(name: str, world: int):
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(net(x), y).backward()
             opt.step()
+
         return step
 
     torch.manual_seed(0)
@@ -107,11 +114,11 @@ def variants(name: str, world: int):
         sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
         state = {"all": (params, buffers, sgd.init(params))}
 
-        def loss_fn(params, buffers, x, y):
+        def loss_fn(params, buffers, x, y, apply=apply):
             logits, buffers = apply(params, buffers, x)
             return F.cross_entropy(logits, y), buffers
 
-        def train_step(params, buffers, opt_state, batch):
+        def train_step(params, buffers, opt_state, batch, sgd=sgd, loss_fn=loss_fn):
             grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)
             params, opt_state = sgd.update(grads, opt_state, params)
             return params, buffers, opt_state
@@ -155,8 +162,10 @@ def worker(names, steps, warmup, threads):
 
 def table(rows: list[dict]) -> str:
     half = HALF()
-    head = (f"| model | ranks | local | allreduce | limit | DDP | DDP {half} | pardist | "
-            f"pardist {half} | pardist/DDP | pardist/limit | {half}: pardist/DDP |")
+    head = (
+        f"| model | ranks | local | allreduce | limit | DDP | DDP {half} | pardist | "
+        f"pardist {half} | pardist/DDP | pardist/limit | {half}: pardist/DDP |"
+    )
     lines = [head, "|" + "---|" * 13]
     for r in rows:
         limit = r["local"] + (r["allreduce"] if r["ranks"] > 1 else 0.0)
@@ -164,7 +173,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['model']} | {r['ranks']} | {r['local']:.1f} | {r['allreduce']:.1f} | "
             f"{limit:.1f} | {r['ddp']:.1f} | {r['ddp_half']:.1f} | {r['pardist']:.1f} | "
             f"{r['pardist_half']:.1f} | {r['pardist'] / r['ddp']:.2f} | "
-            f"{r['pardist'] / limit:.2f} | {r['pardist_half'] / r['ddp_half']:.2f} |")
+            f"{r['pardist'] / limit:.2f} | {r['pardist_half'] / r['ddp_half']:.2f} |"
+        )
     return "\n".join(lines)
 
 

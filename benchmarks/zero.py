@@ -1,4 +1,4 @@
-"""Sharded optimizer state (ZeRO) against plain data parallelism and torch's ZeroRedundancyOptimizer.
+"""Sharded optimizer state (ZeRO) against plain data parallelism and torch's ZeRO optimizer.
 
     python benchmarks/zero.py                  # 2 ranks, the two MLPs of vs_ddp.py
     python benchmarks/zero.py --ranks 4 --models mlp3m
@@ -94,9 +94,13 @@ def worker(names, steps, warmup):
         med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, (med, memory))
-        rows.append({"model": name,
-                     "ms": {k: max(m[0][k] for m in everyone) for k in med},
-                     "bytes": {k: max(m[1][k] for m in everyone) for k in memory}})
+        rows.append(
+            {
+                "model": name,
+                "ms": {k: max(m[0][k] for m in everyone) for k in med},
+                "bytes": {k: max(m[1][k] for m in everyone) for k in memory},
+            }
+        )
     return rows
 
 
@@ -108,14 +112,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     rows = pardist.spawn(worker, args.ranks, args.models, args.steps, args.warmup)
-    print(f"| model | ranks | dp ms | sharded ms | torch ZeRO ms | sharded/dp | sharded/torch ZeRO "
-          f"| dp state MB | sharded state MB | torch ZeRO state MB |\n|{'---|' * 10}")
+    print(
+        f"| model | ranks | dp ms | sharded ms | torch ZeRO ms | sharded/dp | sharded/torch ZeRO "
+        f"| dp state MB | sharded state MB | torch ZeRO state MB |\n|{'---|' * 10}"
+    )
     for r in rows:
         ms, mb = r["ms"], {k: v / 2**20 for k, v in r["bytes"].items()}
-        print(f"| {r['model']} | {args.ranks} | {ms['dp']:.1f} | {ms['sharded']:.1f} | "
-              f"{ms['torch_zero']:.1f} | {ms['sharded'] / ms['dp']:.2f} | "
-              f"{ms['sharded'] / ms['torch_zero']:.2f} | {mb['dp']:.1f} | {mb['sharded']:.1f} | "
-              f"{mb['torch_zero']:.1f} |")
+        print(
+            f"| {r['model']} | {args.ranks} | {ms['dp']:.1f} | {ms['sharded']:.1f} | "
+            f"{ms['torch_zero']:.1f} | {ms['sharded'] / ms['dp']:.2f} | "
+            f"{ms['sharded'] / ms['torch_zero']:.2f} | {mb['dp']:.1f} | {mb['sharded']:.1f} | "
+            f"{mb['torch_zero']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -6,10 +6,13 @@ batch and ``pardist.grad`` averages the gradients, with explicit sharding specs
 instead of wrapped modules.
 """
 
-from pardist import optim
+from pardist import amp, checkpoint, data, optim
 from pardist._collectives import all_gather, axis_index, axis_size, broadcast, pmax, pmean, psum
 from pardist._data_parallel import data_parallel
 from pardist._functional import functional
+from pardist._gather import gather, gather_object
+from pardist._progress import get_logger, print0, progress
+from pardist._seed import rank_seed, seed_everything, seed_worker
 from pardist._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
 from pardist._grad import grad, value_and_grad
 from pardist._mesh import Mesh
@@ -26,7 +29,7 @@ from pardist._runtime import (
     shutdown,
     world_size,
 )
-from pardist._specs import P
+from pardist._specs import P, specs
 
 __version__ = "0.1.0"
 
@@ -36,14 +39,20 @@ __all__ = [
     "P",
     "SpawnError",
     "all_gather",
+    "amp",
     "axis_index",
     "axis_size",
     "broadcast",
+    "checkpoint",
     "convert_batchnorm",
+    "data",
     "data_parallel",
     "device",
     "distributed",
     "functional",
+    "gather",
+    "gather_object",
+    "get_logger",
     "grad",
     "init",
     "is_initialized",
@@ -52,11 +61,17 @@ __all__ = [
     "optim",
     "pmax",
     "pmean",
+    "print0",
+    "progress",
     "psum",
     "rank",
     "rank0_first",
+    "rank_seed",
+    "seed_everything",
+    "seed_worker",
     "shutdown",
     "spawn",
+    "specs",
     "value_and_grad",
     "world_size",
 ]

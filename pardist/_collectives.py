@@ -25,15 +25,16 @@ __all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean"
 
 
 def _reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
-    """A reduced copy of ``x``: through shared memory for CPU ranks on one host, else the backend."""
+    """A reduced copy of ``x``: via shared memory for CPU ranks on one host, else the backend."""
     y = x.detach().clone(memory_format=torch.contiguous_format)
     for group in groups:
         shm = _shm.for_collectives(group) if y.device.type == "cpu" else None
         if shm is not None:
             shm.all_reduce(y, op)
         else:
-            dist.all_reduce(y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX,
-                            group=group)
+            dist.all_reduce(
+                y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
+            )
     return y
 
 
@@ -83,8 +84,10 @@ class _AllGather(torch.autograd.Function):
         shm = _shm.for_collectives(group) if x.device.type == "cpu" else None
         parts = shm.all_gather(x) if shm is not None else None
         if parts is None:
-            parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
-                     for _ in range(dist.get_world_size(group))]
+            parts = [
+                torch.empty_like(x, memory_format=torch.contiguous_format)
+                for _ in range(dist.get_world_size(group))
+            ]
             dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 

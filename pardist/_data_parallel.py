@@ -92,8 +92,9 @@ class _Step:
             # A sharded optimizer state over this axis: its parameters' gradients are
             # reduce-scattered (its signature is static, part of the tree structure).
             nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
-            scatter = frozenset(n.signature for n in nodes
-                                if isinstance(n, ShardedState) and n.axis == axes)
+            scatter = frozenset(
+                n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
+            )
             self._specs_cache[key] = flat, scatter
         return self._specs_cache[key]
 
@@ -107,8 +108,11 @@ class _Step:
         check = self.calls == 0 or debug_enabled()
         group = mesh.group(axes) if check else None
         if check:
-            replicated = [(p, x) for (p, x), s in zip(named, specs)
-                          if not set(s.axes) & set(axes) and not isinstance(x, DTensor)]
+            replicated = [
+                (p, x)
+                for (p, x), s in zip(named, specs)
+                if not set(s.axes) & set(axes) and not isinstance(x, DTensor)
+            ]
             problem = _replication.mismatch(replicated, group)
             if problem:
                 raise ValueError(
@@ -129,8 +133,11 @@ class _Step:
             mesh=mesh,
             axis=axes,
             size=mesh.size(axes),
-            varying={id(x) for x, s in zip(leaves, specs)
-                     if set(s.axes) & set(axes) or isinstance(x, DTensor)},
+            varying={
+                id(x)
+                for x, s in zip(leaves, specs)
+                if set(s.axes) & set(axes) or isinstance(x, DTensor)
+            },
             scatter=scatter,
             donated=donated,
             reducers=self.reducers,
@@ -178,8 +185,11 @@ class _Step:
             _specs.check_fits(
                 spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
             )
-        replicated = [(p, x) for (p, x), s in zip(named, flat)
-                      if not set(s.axes) & set(axes) and not isinstance(x, DTensor)]
+        replicated = [
+            (p, x)
+            for (p, x), s in zip(named, flat)
+            if not set(s.axes) & set(axes) and not isinstance(x, DTensor)
+        ]
         problem = _replication.mismatch(replicated, group)
         if problem:
             axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)

@@ -130,15 +130,26 @@ def _scatter_reducer(ctx: StepContext, like: list[torch.Tensor]) -> ScatterReduc
     key = ("scatter", signature(like), tuple(t.device for t in like), ctx.axis, ctx.bucket_bytes)
     if key not in ctx.reducers:
         ctx.reducers[key] = ScatterReducer(
-            like, ctx.mesh.group(ctx.axis), ctx.size, ctx.mesh.index(ctx.axis),
-            bucket_bytes=ctx.bucket_bytes, first_bucket_bytes=ctx.first_bucket_bytes)
+            like,
+            ctx.mesh.group(ctx.axis),
+            ctx.size,
+            ctx.mesh.index(ctx.axis),
+            bucket_bytes=ctx.bucket_bytes,
+            first_bucket_bytes=ctx.first_bucket_bytes,
+        )
     return ctx.reducers[key]
 
 
 def _as_shard(local: torch.Tensor, like: torch.Tensor, ctx: StepContext) -> DTensor:
     """This rank's flat shard of a mean gradient, as a DTensor that knows its layout."""
-    return DTensor.from_local(local, ctx.mesh.submesh(ctx.axis), [Shard(0)],
-                              shape=(like.numel(),), stride=(1,), run_check=False)
+    return DTensor.from_local(
+        local,
+        ctx.mesh.submesh(ctx.axis),
+        [Shard(0)],
+        shape=(like.numel(),),
+        stride=(1,),
+        run_check=False,
+    )
 
 
 def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:

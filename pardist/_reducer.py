@@ -60,8 +60,14 @@ class _Bucket:
         self.work = None
 
 
-def assign(like: list[torch.Tensor], width, rows: int, comm_dtype, bucket_bytes: int,
-           first_bucket_bytes: int) -> tuple[list[_Bucket], list[tuple[int, int]]]:
+def assign(
+    like: list[torch.Tensor],
+    width,
+    rows: int,
+    comm_dtype,
+    bucket_bytes: int,
+    first_bucket_bytes: int,
+) -> tuple[list[_Bucket], list[tuple[int, int]]]:
     """Group tensors into buckets, in reverse order (the last layers' gradients come first).
 
     Each tensor takes ``width(t)`` elements of its bucket's row; a bucket is
@@ -101,9 +107,17 @@ class Reducer:
         overlap: launch each bucket's all-reduce as soon as it is full.
     """
 
-    def __init__(self, like: list[torch.Tensor], groups: list, divisor: int, *,
-                 comm_dtype: torch.dtype | None = None, overlap: bool = False,
-                 bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20):
+    def __init__(
+        self,
+        like: list[torch.Tensor],
+        groups: list,
+        divisor: int,
+        *,
+        comm_dtype: torch.dtype | None = None,
+        overlap: bool = False,
+        bucket_bytes: int = 25 * 2**20,
+        first_bucket_bytes: int = 2**20,
+    ):
         self.groups, self.divisor, self.overlap = groups, divisor, overlap
         self._build(like, comm_dtype, bucket_bytes, first_bucket_bytes)
         self.arena = self.staging = None
@@ -115,8 +129,9 @@ class Reducer:
         self._scale = 1.0
 
     def _build(self, like, comm_dtype, bucket_bytes: int, first_bucket_bytes: int) -> None:
-        self.buckets, places = assign(like, lambda t: t.numel(), 1, comm_dtype, bucket_bytes,
-                                      first_bucket_bytes)
+        self.buckets, places = assign(
+            like, lambda t: t.numel(), 1, comm_dtype, bucket_bytes, first_bucket_bytes
+        )
         self.slots = [_Slot(b, offset, t.numel(), t.shape) for (b, offset), t in zip(places, like)]
 
     def _share_cpu_buckets(self, group) -> None:
@@ -146,20 +161,24 @@ class Reducer:
         # still holds any keeps them, and this step reduces in fresh buffers. All
         # ranks must choose alike, or their collectives would not match.
         shared = self.arena is not None and self.arena.agree(
-            _references(self.arena._data) <= self._idle_references)
+            _references(self.arena._data) <= self._idle_references
+        )
         for bucket in self.buckets:
             bucket.shared = shared and bucket.arena_offset is not None
             if bucket.shared:
                 bucket.buffer = self.arena.view(
-                    self.arena.index, bucket.arena_offset, bucket.numel, bucket.dtype)
+                    self.arena.index, bucket.arena_offset, bucket.numel, bucket.dtype
+                )
             else:
                 if bucket.private is None or _references(bucket.private) > 2:
                     bucket.private = torch.empty(
-                        bucket.numel, dtype=bucket.dtype, device=bucket.device)
+                        bucket.numel, dtype=bucket.dtype, device=bucket.device
+                    )
                 bucket.buffer = bucket.private
             if bucket.comm_dtype is not None and bucket.comm is None:
                 bucket.comm = torch.empty(
-                    bucket.numel, dtype=bucket.comm_dtype, device=bucket.device)
+                    bucket.numel, dtype=bucket.comm_dtype, device=bucket.device
+                )
             bucket.pending = len(bucket.slots)
             bucket.work = None
         self._written = [False] * len(self.slots)

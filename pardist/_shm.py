@@ -15,11 +15,13 @@ Synchronisation is a sequence counter per rank in the same segment. A rank that
 must wait spins for a few microseconds (ranks in step meet without a system
 call), then sleeps on a futex over a shared wake word that the last rank to
 arrive bumps: a waiting rank never holds a core the others need, which matters
-with more ranks than cores. Waits are bounded by the collective timeout. It relies on x86-64's store ordering (a rank's data stores
-are visible before its counter store), so it is enabled only there; elsewhere,
-across network namespaces (separate "nodes") and when /dev/shm lacks room, gloo
-is used. ``PARDIST_SHM=0`` turns it off; ``PARDIST_SHM=staging`` keeps gradients in
-private buffers and stages them through a bucket-sized region (the fallback when
+with more ranks than cores. Waits are bounded by the collective timeout.
+
+It relies on x86-64's store ordering (a rank's data stores are visible before
+its counter store), so it is enabled only there; elsewhere, across network
+namespaces (separate "nodes") and when /dev/shm lacks room, gloo is used.
+``PARDIST_SHM=0`` turns it off; ``PARDIST_SHM=staging`` keeps gradients in private
+buffers and stages them through a bucket-sized region (the fallback when
 /dev/shm is small).
 """
 
@@ -52,13 +54,23 @@ class _Timespec(ctypes.Structure):
 def _futex_wait(address: int, expected: int, seconds: float) -> None:
     """Sleep while the int32 at ``address`` equals ``expected`` (or until woken / timed out)."""
     timeout = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_int(expected),
-                  ctypes.byref(timeout), None, 0)
+    _libc.syscall(
+        _SYS_FUTEX,
+        ctypes.c_void_p(address),
+        _FUTEX_WAIT,
+        ctypes.c_int(expected),
+        ctypes.byref(timeout),
+        None,
+        0,
+    )
 
 
 def _futex_wake(address: int) -> None:
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1),
-                  None, None, 0)
+    _libc.syscall(
+        _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0
+    )
+
+
 COLLECTIVE_BYTES = 4 * 2**20  # region per rank for psum / pmax / all_gather
 _collective_groups: dict[int, tuple[dist.ProcessGroup, SharedMemoryGroup | None]] = {}
 
@@ -70,7 +82,10 @@ def for_collectives(group: dist.ProcessGroup) -> SharedMemoryGroup | None:
     """
     entry = _collective_groups.get(id(group))
     if entry is None or entry[0] is not group:
-        entry = _collective_groups[id(group)] = (group, SharedMemoryGroup.create(group, COLLECTIVE_BYTES))
+        entry = _collective_groups[id(group)] = (
+            group,
+            SharedMemoryGroup.create(group, COLLECTIVE_BYTES),
+        )
     return entry[1]
 
 
@@ -180,9 +195,15 @@ class SharedMemoryGroup:
         self.barrier()
         return all(self._flags[k * stride + 1] for k in range(self.size))
 
-    def reduce_in_place(self, offset: int, numel: int, dtype: torch.dtype,
-                        out: torch.Tensor | None = None, op: str = "sum",
-                        gather: bool = True) -> None:
+    def reduce_in_place(
+        self,
+        offset: int,
+        numel: int,
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+        op: str = "sum",
+        gather: bool = True,
+    ) -> None:
         """Sum the tensors at ``offset`` of every region into ``out`` (default: my region).
 
         Two barriers: after everyone has written, and after every chunk is

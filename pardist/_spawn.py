@@ -1,20 +1,28 @@
 """Running a function in N local processes: ``pardist.spawn``, and the worker groups behind it.
 
 The parent process hosts the rendezvous store on a port the OS picks (as
-torchrun's agent does), so no free-port guess can race with another program;
-the workers join it as clients (``TORCHELASTIC_USE_AGENT_STORE``) and start
-their process group with ``pardist.init``. A :class:`Workers` group stays alive
-between calls, which is what the test suite uses to avoid paying torch's import
-for every test.
+torchrun's agent does), so no free-port guess can race with another program and a
+busy ``MASTER_PORT`` does not matter; the workers join it as clients
+(``TORCHELASTIC_USE_AGENT_STORE``) and start their process group with
+``pardist.init``. A :class:`Workers` group stays alive between calls, which is
+what the test suite uses to avoid paying torch's import for every test.
+
+Workers are forked by default, because only fork runs functions defined in a
+notebook or on stdin (the 'spawn' start method re-imports ``__main__``, which has
+no file there). Fork is unsafe once the parent has used CUDA, so nothing here
+touches CUDA in the parent, and a parent that did is refused with the fix.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection as mpc
 import os
 import pickle
 import sys
+import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,20 +36,44 @@ try:  # closures and notebook functions pickle by value with cloudpickle
 except ImportError:  # pragma: no cover
     _pickler = pickle
 
+# Once a rank has failed, how long the others get to finish or fail on their own
+# before they are stopped: they are usually waiting for the failed rank in a
+# collective, and their own errors only add detail.
+GRACE_S = 5.0
+
 
 class SpawnError(RuntimeError):
-    """A rank failed (or did not answer); the message holds its traceback."""
+    """A rank failed (or did not answer); the message holds its traceback.
 
-    def __init__(self, message: str, rank: int | None = None):
+    Attributes:
+        rank: the first failing rank (None if the failure was not one rank's).
+        errors: every failing rank's traceback (or reason), by rank.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, errors: dict[int, str] | None = None):
         super().__init__(message)
         self.rank = rank
+        self.errors = dict(errors or {})
 
 
-def _worker(rank: int, world: int, port: int, conn, env: dict, threads: int) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "TORCHELASTIC_USE_AGENT_STORE": "True", **env})
+def _worker(rank: int, world: int, conn, env: dict, threads: int) -> None:
+    try:
+        port = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            **env,
+        }
+    )
     torch.set_num_threads(threads)
     import pardist
 
@@ -56,8 +88,8 @@ def _worker(rank: int, world: int, port: int, conn, env: dict, threads: int) -> 
             message = conn.recv_bytes()
         except (EOFError, OSError):
             break
-        fn, args, kwargs = pickle.loads(message)
         try:
+            fn, args, kwargs = pickle.loads(message)
             reply = ("ok", fn(*args, **kwargs))
             payload = _pickler.dumps(reply)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
@@ -66,12 +98,55 @@ def _worker(rank: int, world: int, port: int, conn, env: dict, threads: int) -> 
     pardist.shutdown()
 
 
+def _main_has_file() -> bool:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return bool(path) and os.path.exists(path)
+
+
 def _start_method(requested: str | None) -> str:
-    if requested:
-        return requested
-    # fork runs functions defined in a notebook or on stdin, which the spawn
-    # start method cannot import; it is only unsafe once CUDA is initialised.
-    return "fork" if sys.platform != "win32" else "spawn"
+    if requested is None:
+        return "fork" if sys.platform != "win32" else "spawn"
+    if requested not in ("fork", "forkserver", "spawn"):
+        raise ValueError(
+            f"pardist.spawn: start_method={requested!r}; use 'fork' (the "
+            "default), 'forkserver' or 'spawn'."
+        )
+    if requested != "fork" and not _main_has_file():
+        raise ValueError(
+            f"pardist.spawn: start_method={requested!r} re-imports __main__ in every worker, "
+            "and this __main__ (a notebook, stdin or -c) has no file to import. Use the "
+            "default start method, fork, or move the function into a module."
+        )
+    return requested
+
+
+def _check_cuda_untouched(method: str) -> None:
+    if method != "fork":
+        return
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "pardist.spawn: CUDA is already initialised in this process, and forked workers "
+            "cannot use it. Do not touch the GPU before spawn (no .cuda(), .to('cuda') or "
+            "torch.cuda calls in earlier cells): create models and tensors inside the spawned "
+            "function, or restart the kernel."
+        )
+    # torch.cuda.is_available() checks through NVML with this set, which leaves
+    # the parent fork-safe if a later cell asks before the next spawn.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
+def _stop(procs: list, conns: list, wait: float = 3.0) -> None:
+    for conn in conns:
+        conn.close()  # an idle worker sees EOF and shuts down cleanly
+    deadline = time.monotonic() + wait
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:  # the rest are stuck (in a collective, or in user code)
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(5)
 
 
 class Workers:
@@ -79,54 +154,76 @@ class Workers:
 
     Args:
         nprocs: the world size.
-        start_method: 'fork' (default on Linux: works from notebooks), 'forkserver'
-            or 'spawn'.
+        start_method: 'fork' (default on Linux: works from notebooks and stdin),
+            'forkserver' or 'spawn' (these two need ``__main__`` to be a file).
         env: extra environment variables for the workers.
         timeout: seconds to wait for each call before the group is killed.
     """
 
-    def __init__(self, nprocs: int, *, start_method: str | None = None,
-                 env: dict[str, str] | None = None, timeout: float = 300.0):
-        if nprocs < 1:
-            raise ValueError(f"pardist.spawn: nprocs={nprocs}; give at least 1 process.")
+    def __init__(
+        self,
+        nprocs: int,
+        *,
+        start_method: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 300.0,
+    ):
+        if not isinstance(nprocs, int) or nprocs < 1:
+            raise ValueError(f"pardist.spawn: nprocs={nprocs!r}; give at least 1 process.")
         method = _start_method(start_method)
-        if method == "fork" and torch.cuda.is_initialized():
-            raise RuntimeError(
-                "pardist.spawn: CUDA is already initialised in this process, and forked "
-                "workers cannot use it. Do not touch the GPU before spawn (no .cuda(), no "
-                "torch.cuda calls): create models and tensors inside the spawned function.")
+        _check_cuda_untouched(method)
         self.nprocs, self.timeout = nprocs, timeout
-        self._store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True,
-                                    wait_for_workers=False)
         ctx = multiprocessing.get_context(method)
         threads = max(1, (os.cpu_count() or 1) // nprocs)
         self._conns, self._procs = [], []
         for rank in range(nprocs):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, daemon=True, name=f"pardist-rank{rank}",
-                               args=(rank, nprocs, self._store.port, child, dict(env or {}),
-                                     threads))
+            # Not daemonic, so that the function may start processes of its own
+            # (DataLoader workers); the finalizer below stops them instead.
+            proc = ctx.Process(
+                target=_worker,
+                name=f"pardist-rank{rank}",
+                args=(rank, nprocs, child, dict(env or {}), threads),
+            )
             proc.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        # The store's server thread starts after the fork: a process forked while
+        # another thread holds a lock (in the allocator, an import) can hang.
+        self._store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
+        self._port = self._store.port
+        for conn in self._conns:
+            conn.send_bytes(pickle.dumps(self._port))
         self._collect("start")
 
-    def _collect(self, what: str, timeout: float | None = None) -> list[Any]:
-        import multiprocessing.connection as mpc
+    @property
+    def port(self) -> int:
+        """The port of the rendezvous store (picked by the OS)."""
+        return self._port
 
-        deadline = self.timeout if timeout is None else timeout
+    def _collect(self, what: str, timeout: float | None = None) -> list[Any]:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         waiting = dict(enumerate(self._conns))
         results: list[Any] = [None] * self.nprocs
         errors: dict[int, str] = {}
         while waiting:
-            ready = mpc.wait(list(waiting.values()), timeout=deadline)
+            ready = mpc.wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                self.close()
+                seconds = self.timeout if timeout is None else timeout
+                self.close(wait=0.5)
+                stuck = sorted(waiting)
                 raise SpawnError(
-                    f"pardist.spawn: rank(s) {sorted(waiting)} did not finish {what} within "
-                    f"{deadline:.0f} s{self._error_summary(errors)}; the workers were stopped.",
-                    rank=min(waiting))
+                    f"pardist.spawn: rank(s) {stuck} did not finish {what} within "
+                    f"{seconds:.0f} s{_summary(errors)}; the workers were stopped."
+                    if not errors
+                    else f"pardist.spawn: rank {min(errors)} failed during {what}:\n"
+                    f"{errors[min(errors)]}{_summary(errors, skip=min(errors))}\n(rank(s) "
+                    f"{stuck} were still waiting, probably for it, and were stopped.)",
+                    rank=min(errors) if errors else min(stuck),
+                    errors=errors,
+                )
             for rank, conn in list(waiting.items()):
                 if conn not in ready:
                     continue
@@ -134,44 +231,57 @@ class Workers:
                 try:
                     status, value = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    status, value = "err", f"rank {rank} exited (code {self._procs[rank].exitcode})"
+                    code = self._procs[rank].exitcode
+                    self._procs[rank].join(1)
+                    code = self._procs[rank].exitcode if code is None else code
+                    status, value = (
+                        "err",
+                        (
+                            f"rank {rank} exited with code {code} without "
+                            "answering (killed, or os._exit / a crash)."
+                        ),
+                    )
                 if status == "ok":
                     results[rank] = value
                 else:
                     errors[rank] = value
             if errors and waiting:
-                deadline = min(deadline, 30.0)  # the rest are likely stuck on the failed one
+                deadline = min(deadline, time.monotonic() + GRACE_S)
         if errors:
             first = min(errors)
-            self.close()
-            raise SpawnError(f"pardist.spawn: rank {first} failed during {what}:\n"
-                             f"{errors[first]}{self._error_summary(errors, skip=first)}",
-                             rank=first)
+            self.close(wait=0.5)
+            raise SpawnError(
+                f"pardist.spawn: rank {first} failed during {what}:\n"
+                f"{errors[first]}{_summary(errors, skip=first)}",
+                rank=first,
+                errors=errors,
+            )
         return results
 
-    @staticmethod
-    def _error_summary(errors: dict[int, str], skip: int | None = None) -> str:
-        others = {r: e.strip().splitlines()[-1] for r, e in errors.items() if r != skip}
-        return "".join(f"\n(rank {r}: {line})" for r, line in sorted(others.items()))
-
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
-        """Run ``fn(*args, **kwargs)`` on every rank; each rank's result, in rank order."""
-        if not self._procs:
-            raise RuntimeError("pardist.spawn: these workers were closed.")
-        payload = _pickler.dumps((fn, args, kwargs))
-        for conn in self._conns:
-            conn.send_bytes(payload)
-        return self._collect(f"{getattr(fn, '__name__', 'the call')}", timeout)
+        """Run ``fn(*args, **kwargs)`` on every rank; each rank's result, in rank order.
 
-    def close(self) -> None:
-        for conn in self._conns:
-            conn.close()
-        for proc in self._procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+        Raises:
+            SpawnError: a rank raised (its traceback is in the message), died, or did
+                not answer within ``timeout``; the group is then closed.
+        """
+        if not self._procs:
+            raise RuntimeError("pardist.spawn: these workers were closed; start new ones.")
+        payload = _pickler.dumps((fn, args, kwargs))
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+            return self._collect(f"{getattr(fn, '__name__', 'the call')}", timeout)
+        except (KeyboardInterrupt, BrokenPipeError):
+            self.close()  # the workers are mid-call; they cannot be reused
+            raise
+
+    def close(self, wait: float = 3.0) -> None:
+        """Stop the workers: idle ones shut down cleanly; those busy after ``wait`` s are killed."""
+        if self._finalizer.detach():
+            _stop(self._procs, self._conns, wait)
         self._conns, self._procs = [], []
+        self._store = None  # stops its server thread, so later forks start from fewer threads
 
     def __enter__(self) -> Workers:
         return self
@@ -180,14 +290,41 @@ class Workers:
         self.close()
 
 
-def spawn(fn: Callable, nprocs: int, *args: Any, start_method: str | None = None,
-          timeout: float = 3600.0, env: dict[str, str] | None = None) -> Any:
+def _summary(errors: dict[int, str], skip: int | None = None) -> str:
+    others = {r: e.strip().splitlines()[-1] for r, e in errors.items() if r != skip}
+    return "".join(f"\n(rank {r}: {line})" for r, line in sorted(others.items()))
+
+
+def spawn(
+    fn: Callable,
+    nprocs: int,
+    *args: Any,
+    start_method: str | None = None,
+    timeout: float = 3600.0,
+    env: dict[str, str] | None = None,
+) -> Any:
     """Run ``fn(*args)`` in ``nprocs`` local processes and return rank 0's result.
 
-    The notebook launcher: works from a script, a notebook or stdin. Each process
-    has its process group started (``pardist.init``), so ``fn`` can use
-    ``data_parallel`` directly. If any rank fails, the others are stopped and a
-    :class:`SpawnError` carrying the failing rank's traceback is raised here.
+    The notebook launcher: works from a script, a notebook cell or stdin. Each
+    process has its process group started (``pardist.init``), so ``fn`` can use
+    ``data_parallel`` directly. The rendezvous port is picked by the OS. If any
+    rank fails, the others are stopped and a :class:`SpawnError` carrying the
+    failing rank's traceback is raised here. Do not use CUDA in the calling
+    process before this (forked workers could not); create models inside ``fn``.
+
+    Args:
+        fn: the function; a closure or a notebook function is fine.
+        nprocs: how many processes (the world size).
+        *args: its arguments, the same on every rank.
+        start_method: 'fork' by default (see :class:`Workers`).
+        timeout: seconds before a call that has not returned is stopped.
+        env: extra environment variables for the workers (e.g. ``PARDIST_TIMEOUT``).
+
+    Returns:
+        ``fn``'s result on rank 0.
+
+    Raises:
+        SpawnError: a rank raised, died or timed out; its traceback is in the message.
 
     Example:
         >>> import pardist

@@ -122,13 +122,23 @@ def specs(tree: Any) -> Any:
         if not isinstance(leaf, DTensor):
             return P()
         names = leaf.device_mesh.mesh_dim_names or tuple(
-            f"dim{i}" for i in range(leaf.device_mesh.ndim))
+            f"dim{i}" for i in range(leaf.device_mesh.ndim)
+        )
         entries: list = [None] * leaf.ndim
         for name, placement in zip(names, leaf.placements):
             if isinstance(placement, Shard):
-                entries[placement.dim] = name if entries[placement.dim] is None else (
-                    *(entries[placement.dim] if isinstance(entries[placement.dim], tuple)
-                      else (entries[placement.dim],)), name)
+                entries[placement.dim] = (
+                    name
+                    if entries[placement.dim] is None
+                    else (
+                        *(
+                            entries[placement.dim]
+                            if isinstance(entries[placement.dim], tuple)
+                            else (entries[placement.dim],)
+                        ),
+                        name,
+                    )
+                )
         while entries and entries[-1] is None:
             entries.pop()
         return P(*entries)

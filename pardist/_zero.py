@@ -52,8 +52,9 @@ def _layout(like: list[torch.Tensor], size: int, bucket_bytes: int, first_bucket
     """Buckets of (size, row) blocks, and where each tensor's columns are."""
     chunk = lambda t: -(-t.numel() // size)  # noqa: E731
     buckets, places = assign(like, chunk, size, None, bucket_bytes, first_bucket_bytes)
-    columns = [_Column(b, offset, chunk(t), t.numel(), t.shape)
-               for (b, offset), t in zip(places, like)]
+    columns = [
+        _Column(b, offset, chunk(t), t.numel(), t.shape) for (b, offset), t in zip(places, like)
+    ]
     return buckets, columns
 
 
@@ -90,12 +91,21 @@ def _unpack(src: torch.Tensor, col: _Column, out: torch.Tensor) -> None:
 class ScatterReducer(Reducer):
     """Like :class:`Reducer`, but each rank receives only its flat shard of every mean gradient."""
 
-    def __init__(self, like: list[torch.Tensor], group, size: int, index: int, *,
-                 bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20):
+    def __init__(
+        self,
+        like: list[torch.Tensor],
+        group,
+        size: int,
+        index: int,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        first_bucket_bytes: int = 2**20,
+    ):
         self.size, self.index = size, index
         self._bucket_args = (bucket_bytes, first_bucket_bytes)
-        super().__init__(like, [group], size, bucket_bytes=bucket_bytes,
-                         first_bucket_bytes=first_bucket_bytes)
+        super().__init__(
+            like, [group], size, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes
+        )
 
     def _build(self, like, comm_dtype, bucket_bytes, first_bucket_bytes) -> None:
         self.buckets, self.slots = _layout(like, self.size, bucket_bytes, first_bucket_bytes)
@@ -115,8 +125,9 @@ class ScatterReducer(Reducer):
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.shared:
-            self.arena.reduce_in_place(bucket.arena_offset, bucket.numel, bucket.dtype,
-                                       gather=False)
+            self.arena.reduce_in_place(
+                bucket.arena_offset, bucket.numel, bucket.dtype, gather=False
+            )
             return
         if getattr(bucket, "out", None) is None or _references(bucket.out) > 2:
             bucket.out = torch.empty(bucket.row, dtype=bucket.dtype, device=bucket.device)
@@ -139,8 +150,16 @@ class ScatterReducer(Reducer):
 class ParamGather:
     """Rows of parameter shards for the optimizer to update, all-gathered into parameters."""
 
-    def __init__(self, like: list[torch.Tensor], group, size: int, index: int, *,
-                 bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20):
+    def __init__(
+        self,
+        like: list[torch.Tensor],
+        group,
+        size: int,
+        index: int,
+        *,
+        bucket_bytes: int = 25 * 2**20,
+        first_bucket_bytes: int = 2**20,
+    ):
         self.group, self.size, self.index = group, size, index
         self.buckets, self.columns = _layout(like, size, bucket_bytes, first_bucket_bytes)
         self.arena = None

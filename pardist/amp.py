@@ -32,7 +32,9 @@ __all__ = ["DynamicLossScale", "LossScaleState", "autocast", "dynamic_loss_scale
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def autocast(dtype: str | torch.dtype = "bf16", *, enabled: bool = True) -> contextlib.AbstractContextManager:
+def autocast(
+    dtype: str | torch.dtype = "bf16", *, enabled: bool = True
+) -> contextlib.AbstractContextManager:
     """``torch.autocast`` on pardist's device: the same line works on CPU and GPU.
 
     Example:
@@ -62,8 +64,12 @@ class DynamicLossScale(NamedTuple):
     adjust: Callable[[LossScaleState, bool], LossScaleState]
 
 
-def dynamic_loss_scale(init_scale: float = 2.0**16, growth_factor: float = 2.0,
-                       backoff_factor: float = 0.5, growth_interval: int = 2000) -> DynamicLossScale:
+def dynamic_loss_scale(
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> DynamicLossScale:
     """The dynamic loss scale of ``torch.amp.GradScaler``, as pure functions.
 
     Args:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import helpers
 import torch
 import torch.nn.functional as F
 
 import pardist
-
-import helpers
 
 
 def test_loss_scale_follows_grad_scaler_rule():
@@ -66,8 +65,10 @@ def _local_verdict():
     # Gradients that were never reduced (torch.func.grad): only rank 1's overflow.
     scaler = pardist.amp.dynamic_loss_scale()
     bad = float("inf") if pardist.rank() == 1 else 1.0
-    step = pardist.data_parallel(lambda g, b: scaler.unscale(g, scaler.init())[1],
-                                 in_specs=(pardist.P("gpu"), pardist.P("gpu")))
+    step = pardist.data_parallel(
+        lambda g, b: scaler.unscale(g, scaler.init())[1],
+        in_specs=(pardist.P("gpu"), pardist.P("gpu")),
+    )
     return step({"w": torch.tensor([bad])}, torch.ones(1))
 
 

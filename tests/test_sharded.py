@@ -16,8 +16,13 @@ STEPS = 8
 def params():
     # sizes that do not divide by 2, 3 or 4
     g = torch.Generator().manual_seed(0)
-    return {"w1": torch.randn(37, 11, generator=g) / 6, "b1": torch.randn(11, generator=g) / 6,
-            "w2": torch.randn(11, 5, generator=g) / 3, "b2": torch.zeros(5), "s": torch.ones(1)}
+    return {
+        "w1": torch.randn(37, 11, generator=g) / 6,
+        "b1": torch.randn(11, generator=g) / 6,
+        "w2": torch.randn(11, 5, generator=g) / 3,
+        "b2": torch.zeros(5),
+        "s": torch.ones(1),
+    }
 
 
 def loss(p, x, y):
@@ -61,8 +66,9 @@ def train(name: str, shard: bool, donate: bool = False, steps: int = STEPS, star
 def _compare(name, donate):
     reference, _, plain = train(name, shard=False)
     ours, state, kinds = train(name, shard=True, donate=donate)
-    local = sum(t.to_local().numel() for t in pardist._tree.tree_leaves(state)
-                if isinstance(t, DTensor))
+    local = sum(
+        t.to_local().numel() for t in pardist._tree.tree_leaves(state) if isinstance(t, DTensor)
+    )
     return reference, ours, kinds, plain, local
 
 
@@ -79,8 +85,11 @@ def test_equals_the_unsharded_optimizer(run, nprocs, name):
 def _memory():
     big = {"w": torch.randn(1001, 97), "b": torch.randn(97), "v": torch.randn(333, 3)}
     state = optim.sharded(optim.adamw(1e-3)).init(big)
-    mine = sum(t.to_local().numel() * t.element_size() for t in pardist._tree.tree_leaves(state)
-               if isinstance(t, DTensor))
+    mine = sum(
+        t.to_local().numel() * t.element_size()
+        for t in pardist._tree.tree_leaves(state)
+        if isinstance(t, DTensor)
+    )
     total = 2 * sum(t.numel() * t.element_size() for t in big.values())  # exp_avg, exp_avg_sq
     return mine, total, pardist.specs(state.inner.exp_avg), pardist.specs(state.inner.count)
 
@@ -121,8 +130,7 @@ def _resume(path, steps):
     like_p = params()
     like = {"params": like_p, "state": optim.sharded(optim.adamw(1e-2)).init(like_p)}
     loaded = pardist.checkpoint.load(path, like)
-    p, _, _ = train("adamw", shard=True, steps=steps,
-                    start=(loaded["params"], loaded["state"]))
+    p, _, _ = train("adamw", shard=True, steps=steps, start=(loaded["params"], loaded["state"]))
     return p
 
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
 
 import pardist
 from pardist._shm import SharedMemoryGroup
-
-import helpers
 
 
 def _sums(numels):
@@ -37,8 +36,11 @@ def test_all_reduce_in_passes_and_uneven_chunks(run, nprocs):
 def _train(keep_on: int | None):
     """Two steps; rank ``keep_on`` holds step 1's gradients through step 2."""
     apply, params, _ = pardist.functional(helpers.mlp())
-    step = pardist.data_parallel(lambda p, b: pardist.grad(
-        lambda p, x, y: torch.nn.functional.cross_entropy(apply(p, {}, x)[0], y))(p, *b))
+    step = pardist.data_parallel(
+        lambda p, b: pardist.grad(
+            lambda p, x, y: torch.nn.functional.cross_entropy(apply(p, {}, x)[0], y)
+        )(p, *b)
+    )
     r, kept, grads = pardist.rank(), None, []
     for s in range(2):
         x, y = helpers.global_batch(s, "mlp")

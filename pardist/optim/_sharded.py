@@ -54,8 +54,7 @@ pytree.register_pytree_node(
     lambda s: ([s.inner], (s.signature, s.axis)),
     lambda children, context: ShardedState(children[0], *context),
     serialized_type_name="pardist.optim.ShardedState",
-    flatten_with_keys_fn=lambda s: ([(pytree.GetAttrKey("inner"), s.inner)],
-                                    (s.signature, s.axis)),
+    flatten_with_keys_fn=lambda s: ([(pytree.GetAttrKey("inner"), s.inner)], (s.signature, s.axis)),
 )
 
 
@@ -63,8 +62,13 @@ def _local(x: Any) -> Any:
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-def sharded(opt: Optimizer, axis: str | tuple[str, ...] = "gpu", *,
-            mesh: _mesh.Mesh | None = None, bucket_mb: float = 25.0) -> Optimizer:
+def sharded(
+    opt: Optimizer,
+    axis: str | tuple[str, ...] = "gpu",
+    *,
+    mesh: _mesh.Mesh | None = None,
+    bucket_mb: float = 25.0,
+) -> Optimizer:
     """Shard ``opt``'s state over ``axis``: each rank keeps about 1/N of every state tensor.
 
     The one-line change from plain data parallelism:
@@ -108,7 +112,8 @@ def sharded(opt: Optimizer, axis: str | tuple[str, ...] = "gpu", *,
                 raise TypeError(
                     f"{where(fn)}: {path} has dtype {leaf.dtype}; only floating-point tensors "
                     "can be optimized, so only they can have sharded optimizer state. Keep "
-                    "integer values (step counters, masks) out of the params tree.")
+                    "integer values (step counters, masks) out of the params tree."
+                )
         return m, axes, leaves
 
     def init_fn(params):
@@ -118,8 +123,11 @@ def sharded(opt: Optimizer, axis: str | tuple[str, ...] = "gpu", *,
         for leaf in leaves:
             start, stop = shard_range(leaf.numel(), size, index)
             local = leaf.detach().reshape(-1)[start:stop].clone()
-            shards.append(DTensor.from_local(local, sub, [Shard(0)], shape=(leaf.numel(),),
-                                             stride=(1,), run_check=False))
+            shards.append(
+                DTensor.from_local(
+                    local, sub, [Shard(0)], shape=(leaf.numel(),), stride=(1,), run_check=False
+                )
+            )
         inner = opt.init(_tree.tree_unflatten(shards, _tree.tree_flatten(params)[1]))
         return ShardedState(inner, signature(leaves), axes)
 
@@ -129,13 +137,15 @@ def sharded(opt: Optimizer, axis: str | tuple[str, ...] = "gpu", *,
             raise ValueError(
                 f"{where('update')}: the state was made for parameters {state.signature} "
                 f"over {state.axis}, not for these {signature(leaves)} over {axes}. Use the "
-                "state that init returned for these parameters.")
+                "state that init returned for these parameters."
+            )
         size, index, group = m.size(axes), m.index(axes), m.group(axes)
         key = (state.signature, axes, id(m))
         if key not in plans:
             cap = int(bucket_mb * 2**20)
-            plans[key] = ParamGather(leaves, group, size, index, bucket_bytes=cap,
-                                     first_bucket_bytes=min(cap, 2**20))
+            plans[key] = ParamGather(
+                leaves, group, size, index, bucket_bytes=cap, first_bucket_bytes=min(cap, 2**20)
+            )
         plan = plans[key]
         treedef = _tree.tree_flatten(params)[1]
         g_shards = []
@@ -149,17 +159,23 @@ def sharded(opt: Optimizer, axis: str | tuple[str, ...] = "gpu", *,
                 shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
                 raise ValueError(
                     f"{where('update')}: {path} has shape {shape}; expected the full gradient "
-                    f"{tuple(p.shape)} or this rank's DTensor shard from pardist.grad.")
+                    f"{tuple(p.shape)} or this rank's DTensor shard from pardist.grad."
+                )
         p_shards = plan.shards(leaves)
         inner_leaves, inner_def = _tree.tree_flatten(state.inner)
         locals_ = [_local(x) for x in inner_leaves]
         sharded_leaves = [x for x in inner_leaves if isinstance(x, DTensor)]
-        mine = p_shards + ([t for t in locals_ if isinstance(t, torch.Tensor)]
-                           if is_donated(sharded_leaves) else [])
+        mine = p_shards + (
+            [t for t in locals_ if isinstance(t, torch.Tensor)]
+            if is_donated(sharded_leaves)
+            else []
+        )
         with donating(mine), sharded_over(group):  # our rows; the state if given up
-            new_p, new_inner = opt.update(_tree.tree_unflatten(g_shards, treedef),
-                                          _tree.tree_unflatten(locals_, inner_def),
-                                          _tree.tree_unflatten(p_shards, treedef))
+            new_p, new_inner = opt.update(
+                _tree.tree_unflatten(g_shards, treedef),
+                _tree.tree_unflatten(locals_, inner_def),
+                _tree.tree_unflatten(p_shards, treedef),
+            )
         for row, new in zip(p_shards, _tree.tree_leaves(new_p)):
             if new is not row:
                 row.copy_(new)
@@ -167,9 +183,18 @@ def sharded(opt: Optimizer, axis: str | tuple[str, ...] = "gpu", *,
         rewrapped = []
         for old, passed, new in zip(inner_leaves, locals_, _tree.tree_leaves(new_inner)):
             if isinstance(old, DTensor):
-                new = old if new is passed else DTensor.from_local(
-                    new, old.device_mesh, old.placements, shape=old.shape, stride=old.stride(),
-                    run_check=False)
+                new = (
+                    old
+                    if new is passed
+                    else DTensor.from_local(
+                        new,
+                        old.device_mesh,
+                        old.placements,
+                        shape=old.shape,
+                        stride=old.stride(),
+                        run_check=False,
+                    )
+                )
             rewrapped.append(new)
         new_state = ShardedState(_tree.tree_unflatten(rewrapped, inner_def), state.signature, axes)
         return _tree.tree_unflatten(new_params, treedef), new_state

@@ -1,0 +1,311 @@
+"""Checkpoints of pytrees with torch.distributed.checkpoint (DCP): save, load, latest.
+
+A checkpoint is a directory that DCP writes (``.metadata`` plus ``*.distcp`` data
+files) and that pardist commits atomically: every rank writes into
+``<path>.tmp``, rank 0 adds the commit marker ``pardist.json`` and renames the
+directory into place. A process killed during a save leaves a ``.tmp`` directory
+that :func:`latest` and :func:`load` ignore, and the previous checkpoint intact.
+
+What is written, and by whom:
+
+* Replicated leaves (plain tensors and Python values, the same on every rank:
+  parameters, optimizer state, the step, shared RNG states, the data position)
+  are written once, by rank 0; the other ranks write nothing. So a data-parallel
+  checkpoint is complete on rank 0's disk, and loads at any world size. ``save``
+  checks that they really agree across ranks and names the first that does not.
+* Sharded leaves are ``torch.distributed.tensor.DTensor``: each rank writes its own
+  shards, and :func:`load` reshards them to the layout of ``like``'s DTensors,
+  at any world size. This is where sharded optimizer state plugs in.
+
+Typical use, the same under ``python`` and ``torchrun``::
+
+    state = {'params': params, 'opt_state': opt_state, 'step': 0}
+    if (ckpt := pardist.checkpoint.latest('ckpts')) is not None:
+        state = pardist.checkpoint.load(ckpt, state)      # resume
+    ...
+    pardist.checkpoint.save('ckpts', state, step=state['step'], keep=3)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pardist import _replication, _tree
+
+__all__ = ["MARKER", "latest", "load", "save", "steps"]
+
+MARKER = "pardist.json"  # written last: a checkpoint without it is not one
+_FORMAT = 1
+
+
+@functools.cache
+def _writer_class():
+    # DCP is imported on first use: it adds about a second to `import pardist`.
+    import torch.distributed.checkpoint as dcp
+
+    class Writer(dcp.FileSystemWriter):
+        """DCP's file writer, except that a rank with nothing to write creates nothing.
+
+        Without this every rank creates the directory and an empty data file, which
+        on machines without a shared filesystem leaves stray directories on each node.
+        """
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+            self._is_coordinator = is_coordinator
+
+        def prepare_local_plan(self, plan):
+            # The directory is fresh (save removed any stale one), so there is no
+            # old checkpoint to warn about; the coordinator needs it for .metadata.
+            if self._is_coordinator:
+                self.fs.mkdir(self.path)
+            return plan
+
+        def write_data(self, plan, planner):
+            if not plan.items:
+                done: torch.futures.Future = torch.futures.Future()
+                done.set_result([])
+                return done
+            self.fs.mkdir(self.path)
+            return super().write_data(plan, planner)
+
+    return Writer
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _flat(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(key, leaf)]`` with keys such as ``tree['params']['w']``, and the treedef."""
+    named = _tree.leaves_with_paths(tree, "tree")
+    return named, _tree.tree_flatten(tree)[1]
+
+
+def _on_rank0(what: str, fn, *args) -> Any:
+    """Run ``fn`` on rank 0 only; every rank returns its result or raises its error."""
+    outcome: list[Any] = [None]
+    if _rank() == 0:
+        try:
+            outcome[0] = ("ok", fn(*args))
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            outcome[0] = ("err", f"{type(exc).__name__}: {exc}")
+    if _distributed() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(outcome, src=0)
+    status, value = outcome[0]
+    if status == "err":
+        raise RuntimeError(f"pardist.checkpoint.save: rank 0 failed to {what}: {value}")
+    return value
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, final: Path, step: int | None, keys: int, keep: int | None) -> str:
+    with open(tmp / MARKER, "w") as f:
+        json.dump(
+            {
+                "format": _FORMAT,
+                "step": step,
+                "leaves": keys,
+                "time": time.time(),
+                "world_size": dist.get_world_size() if _distributed() else 1,
+            },
+            f,
+        )
+        f.flush()
+        os.fsync(f.fileno())
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # saving a step again: the new one replaces it
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    if step is not None and keep is not None:
+        for stale in steps(final.parent)[:-keep]:
+            shutil.rmtree(final.parent / str(stale), ignore_errors=True)
+    return str(final)
+
+
+def save(
+    path: str | os.PathLike, tree: Any, *, step: int | None = None, keep: int | None = None
+) -> str:
+    """Save a pytree atomically with torch.distributed.checkpoint; every rank calls it.
+
+    Args:
+        path: the checkpoint directory; with ``step``, the directory of
+            checkpoints, and this one goes to ``path/<step>`` (orbax's layout).
+        tree: any pytree (dicts, lists, tuples, NamedTuples) of tensors, DTensors
+            and picklable Python values. Plain leaves must be the same on every rank
+            (they are written once, by rank 0); DTensor leaves are written shard by
+            shard by the ranks that hold them.
+        step: the step number, which names the checkpoint inside ``path``.
+        keep: with ``step``, keep only the newest ``keep`` checkpoints in ``path``.
+
+    Returns:
+        The path of the committed checkpoint.
+
+    Raises:
+        ValueError: a plain leaf differs between ranks (named by its path).
+
+    Example:
+        >>> import pardist, tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> state = {'w': torch.ones(2), 'step': 3}
+        >>> path = pardist.checkpoint.save(d, state, step=3)
+        >>> pardist.checkpoint.latest(d) == path
+        True
+        >>> pardist.checkpoint.load(path, {'w': torch.zeros(2), 'step': 0})
+        {'w': tensor([1., 1.]), 'step': 3}
+    """
+    if keep is not None and (step is None or keep < 1):
+        raise ValueError(f"pardist.checkpoint.save: keep={keep!r} needs step= and keep >= 1.")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.tensor import DTensor
+
+    final = Path(path) / str(int(step)) if step is not None else Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    named, _ = _flat(tree)
+    if _distributed() and dist.get_world_size() > 1:
+        plain = [(p, leaf) for p, leaf in named if not isinstance(leaf, DTensor)]
+        differs = _replication.mismatch(plain, dist.group.WORLD)
+        if differs:
+            raise ValueError(
+                f"pardist.checkpoint.save: {differs}. A checkpoint keeps one copy of each "
+                "plain leaf, written by rank 0, so they must be the same on every rank. Keep "
+                "per-rank values out of the tree (or derive them from shared ones, e.g. seed "
+                "from the step and the rank), or make a sharded value a DTensor."
+            )
+
+    def clear_stale() -> None:  # a save killed part-way left this behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+
+    _on_rank0(f"prepare {tmp}", clear_stale)
+    dcp.save(
+        dict(named),
+        storage_writer=_writer_class()(tmp),
+        planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
+        no_dist=not _distributed(),
+    )
+    return _on_rank0(f"commit {final}", _commit, tmp, final, step, len(named), keep)
+
+
+def steps(path: str | os.PathLike) -> list[int]:
+    """The steps of the committed checkpoints in ``path``, oldest first (``[]`` if none)."""
+    root = Path(path)
+    if not root.is_dir():
+        return []
+    found = [int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file()]
+    return sorted(found)
+
+
+def latest(path: str | os.PathLike) -> str | None:
+    """The newest committed checkpoint saved with ``step=`` in ``path``, or None.
+
+    Interrupted saves (``<step>.tmp``) are never returned, so resuming after a crash
+    picks the last checkpoint that was written whole.
+
+    Example:
+        >>> import pardist, tempfile
+        >>> pardist.checkpoint.latest(tempfile.mkdtemp()) is None
+        True
+    """
+    found = steps(path)
+    return str(Path(path) / str(found[-1])) if found else None
+
+
+def _check_against(path: Path, named: list[tuple[str, Any]]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing = [key for key, _ in named if key not in metadata]
+    if missing:
+        have = ", ".join(sorted(metadata)[:8]) + (" ..." if len(metadata) > 8 else "")
+        raise KeyError(
+            f"pardist.checkpoint.load: {missing[0]} is not in the checkpoint {path} "
+            f"({len(missing)} of {len(named)} leaves missing; it holds {have}). Pass a "
+            "`like` tree with the structure that was saved."
+        )
+    for key, leaf in named:
+        size = getattr(metadata[key], "size", None)
+        if isinstance(leaf, torch.Tensor) and size is not None and tuple(size) != leaf.shape:
+            raise ValueError(
+                f"pardist.checkpoint.load: {key} has shape {tuple(size)} in the checkpoint "
+                f"{path} but shape {tuple(leaf.shape)} in `like`. Build `like` with the "
+                "shapes that were saved (the global shapes, for DTensors)."
+            )
+
+
+def load(path: str | os.PathLike, like: Any) -> Any:
+    """Load a checkpoint into a new tree shaped like ``like``; every rank calls it.
+
+    Nothing is mutated: tensors are loaded into fresh tensors with the dtype and
+    device of ``like``'s leaves. Works at any world size: replicated leaves are
+    read whole by every rank, and DTensor leaves of ``like`` are filled with their
+    shards in ``like``'s layout, resharded from whatever layout was saved. Leaves
+    of the checkpoint that ``like`` lacks are not read.
+
+    Args:
+        path: a committed checkpoint, e.g. ``save``'s result or ``latest(dir)``.
+        like: a tree with the saved structure; its leaves give shapes, dtypes and
+            devices (their values are not used).
+
+    Returns:
+        A tree with ``like``'s structure and the checkpoint's values.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a committed checkpoint.
+        KeyError / ValueError: ``like`` asks for a leaf the checkpoint lacks, or
+            with another shape.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        hint = (
+            f" It holds checkpoints {steps(path)}: pass pardist.checkpoint.latest('{path}')."
+            if steps(path)
+            else " A save that was interrupted leaves no marker; load an earlier checkpoint."
+        )
+        raise FileNotFoundError(
+            f"pardist.checkpoint.load: {path} is not a committed pardist checkpoint (no "
+            f"{MARKER}).{hint}"
+        )
+    named, treedef = _flat(like)
+    _check_against(path, named)
+    state = {
+        key: torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+        for key, leaf in named
+    }
+    planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+    dcp.load(
+        state,
+        storage_reader=dcp.FileSystemReader(str(path)),
+        planner=planner,
+        no_dist=not _distributed(),
+    )
+    # Tensors are filled in place; Python values land in the planner's own dict.
+    loaded = planner.state_dict
+    return _tree.tree_unflatten([loaded[key] for key, _ in named], treedef)

@@ -1,0 +1,20 @@
+"""Prints what a launched worker sees: its rank, the world, its arguments, its environment."""
+
+import os
+import sys
+
+import pardist
+
+
+def main() -> None:
+    pardist.init()
+    names = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "CUDA_VISIBLE_DEVICES")
+    env = {k: os.environ.get(k) for k in names}
+    print(
+        f"rank {pardist.rank()} of {pardist.world_size()} args {sys.argv[1:]} env {env}", flush=True
+    )
+    pardist.shutdown()
+
+
+if __name__ == "__main__":
+    main()

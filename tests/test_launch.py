@@ -1,0 +1,113 @@
+"""python -m pardist.launch: the command line, what workers see, and the checks before launching."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pardist import launch
+from pardist._ports import check_endpoint, port_owner
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.mark.timeout(90)
+def test_launch_runs_a_script_per_gpu_with_its_arguments():
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pardist.launch",
+            "--gpus",
+            "0,1",
+            "tests/scripts/hello.py",
+            "--epochs",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env={**os.environ, "PARDIST_DEVICE": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    env = "{'TORCH_DISABLE_SHARE_RDZV_TCP_STORE': '1', 'CUDA_VISIBLE_DEVICES': '0,1'}"
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 args ['--epochs', '3'] env {env}" in out.stdout
+
+
+def test_one_machine_needs_no_port():
+    args, env = launch.prepare(["--nproc", "3", "--max-restarts", "2", "train.py", "-x"])
+    assert (args.nproc_per_node, args.max_restarts) == ("3", 2)  # torchrun's options pass
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0")
+    assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert launch.prepare(["--nproc-per-node=4", "t.py"])[0].nproc_per_node == "4"
+    with socket.socket() as s:  # a port given by hand: torchrun's static rendezvous on it
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args, _ = launch.prepare(["--master-port", str(port), "t.py"])
+    assert (args.rdzv_backend, args.master_port) == ("static", port)
+
+
+def test_several_machines_use_c10d_with_a_bounded_join():
+    args, _ = launch.prepare(
+        [
+            "--nnodes",
+            "2",
+            "--nproc",
+            "2",
+            "--rdzv-endpoint",
+            "10.254.0.1:29400",
+            "--join-timeout",
+            "30",
+            "t.py",
+        ],
+        check_ports=False,
+    )
+    assert args.rdzv_backend == "c10d" and "join_timeout=30" in args.rdzv_conf
+    args, _ = launch.prepare(
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            "10.254.0.1:29400",
+            "--rdzv-conf",
+            "join_timeout=5,is_host=0",
+            "t.py",
+        ],
+        check_ports=False,
+    )
+    assert args.rdzv_conf == "join_timeout=5,is_host=0"  # the user's choices stand
+    assert args.join_timeout == 5  # and bound the watch on the first node too
+    with pytest.raises(SystemExit, match="needs --rdzv-endpoint"):
+        launch.prepare(["--nnodes", "2", "--rdzv-backend", "c10d", "t.py"])
+
+
+def test_the_node_that_owns_the_endpoint_hosts_the_store():
+    with socket.socket() as s:  # a free port on an address of this machine
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args, _ = launch.prepare(["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "t.py"])
+    assert "is_host" not in args.rdzv_conf  # torch's own guess is right for loopback
+    assert port_owner("127.0.0.1", port) == "free"
+    assert port_owner("192.0.2.1", port, timeout=0.5) == "free"  # not up yet: no objection
+
+
+def test_a_torch_store_on_the_port_is_joined_not_refused():
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert port_owner("127.0.0.1", store.port) == "store"
+    assert (
+        check_endpoint(
+            "127.0.0.1", store.port, must_host=False, where="t", option="--rdzv-endpoint"
+        )
+        == "store"
+    )
+    with pytest.raises(RuntimeError, match="another job holds it"):
+        check_endpoint("127.0.0.1", store.port, must_host=True, where="t", option="--rdzv-endpoint")
