@@ -16,7 +16,9 @@ the median milliseconds per step:
     pardist_half  the same with compression in that half dtype
 
 The no-overlap limit is local + allreduce. Each rank runs one thread. On CUDA the
-same script runs with nccl (and reports CUDA-synchronised times).
+same script runs with nccl (and reports CUDA-synchronised times). ``PARDIST_SHM=0``
+makes pardist reduce through gloo like DDP; ``--overlap on`` starts each bucket's
+all-reduce during the backward (the default: on for GPUs, off for CPU).
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def variants(name: str, world: int):
+OVERLAP = {"auto": None, "on": True, "off": False}
+
+
+def variants(name: str, world: int, overlap: str = "auto"):
     """{variant: step function} for one model, each with its own state."""
     make, shape, batch = MODELS[name]
     device = pardist.device()
@@ -123,7 +128,9 @@ def variants(name: str, world: int):
             params, opt_state = sgd.update(grads, opt_state, params)
             return params, buffers, opt_state
 
-        step = pardist.data_parallel(train_step, donate_argnums=(0, 2), compression=compression)
+        step = pardist.data_parallel(
+            train_step, donate_argnums=(0, 2), compression=compression, overlap=OVERLAP[overlap]
+        )
 
         def run(step=step, state=state):
             state["all"] = step(*state["all"], (x, y))
@@ -132,11 +139,11 @@ def variants(name: str, world: int):
     return out
 
 
-def measure(names: list[str], steps: int, warmup: int) -> dict:
+def measure(names: list[str], steps: int, warmup: int, overlap: str) -> dict:
     world = dist.get_world_size()
     results = {}
     for name in names:
-        fns = variants(name, world)
+        fns = variants(name, world, overlap)
         times = {k: [] for k in fns}
         for i in range(warmup + steps):
             for k, fn in fns.items():  # interleaved: every variant once per round
@@ -155,9 +162,9 @@ def measure(names: list[str], steps: int, warmup: int) -> dict:
     return results
 
 
-def worker(names, steps, warmup, threads):
+def worker(names, steps, warmup, threads, overlap):
     torch.set_num_threads(threads)
-    return measure(names, steps, warmup)
+    return measure(names, steps, warmup, overlap)
 
 
 def table(rows: list[dict]) -> str:
@@ -208,17 +215,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--overlap", choices=list(OVERLAP), default="auto")
+    parser.add_argument("--name", default="vs_ddp", help="file name of the .json and .png")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     rows = []
     for ranks in args.ranks:
-        got = pardist.spawn(worker, ranks, args.models, args.steps, args.warmup, args.threads)
+        got = pardist.spawn(
+            worker, ranks, args.models, args.steps, args.warmup, args.threads, args.overlap
+        )
         rows += [{"model": m, "ranks": ranks, **got[m]} for m in args.models]
     print(table(rows))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "vs_ddp.json"), "w") as f:
-        json.dump({"device": str(pardist.device()), "rows": rows, "args": vars(args)}, f, indent=1)
-    plot(rows, os.path.join(args.out, "vs_ddp.png"))
+    shm = os.environ.get("PARDIST_SHM", "1")
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump({"device": str(pardist.device()), "PARDIST_SHM": shm, "rows": rows,
+                   "args": vars(args)}, f, indent=1)
+    plot(rows, os.path.join(args.out, f"{args.name}.png"))
 
 
 if __name__ == "__main__":

@@ -7,16 +7,14 @@ instead of wrapped modules.
 """
 
 from pardist import amp, checkpoint, data, optim
+from pardist._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
 from pardist._collectives import all_gather, axis_index, axis_size, broadcast, pmax, pmean, psum
 from pardist._data_parallel import data_parallel
 from pardist._functional import functional
 from pardist._gather import gather, gather_object
-from pardist._progress import get_logger, print0, progress
-from pardist._seed import rank_seed, seed_everything, seed_worker
-from pardist._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
 from pardist._grad import grad, value_and_grad
 from pardist._mesh import Mesh
-from pardist._spawn import SpawnError, spawn
+from pardist._progress import get_logger, print0, progress
 from pardist._runtime import (
     device,
     distributed,
@@ -29,6 +27,8 @@ from pardist._runtime import (
     shutdown,
     world_size,
 )
+from pardist._seed import rank_seed, seed_everything, seed_worker
+from pardist._spawn import SpawnError, spawn
 from pardist._specs import P, specs
 
 __version__ = "0.1.0"

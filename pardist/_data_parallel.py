@@ -70,8 +70,8 @@ class _Step:
     def where(self) -> str:
         return f"pardist.data_parallel({getattr(self.fn, '__name__', 'fn')})"
 
-    def _leaf_specs(self, args: tuple, mesh: _mesh.Mesh, axes: tuple[str, ...]):
-        treedef = _tree.tree_flatten(args)[1]
+    def _leaf_specs(self, args: tuple, treedef, mesh: _mesh.Mesh, axes: tuple[str, ...]):
+        """Per leaf: its spec; which leaves are sharded, donated; sharded-state signatures."""
         key = (treedef, id(mesh))
         if key not in self._specs_cache:
             specs = self.in_specs
@@ -95,19 +95,26 @@ class _Step:
             scatter = frozenset(
                 n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
             )
-            self._specs_cache[key] = flat, scatter
+            sharded = [i for i, s in enumerate(flat) if set(s.axes) & set(axes)]
+            counts = [child.num_leaves for child in treedef.children_specs]
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            donated = [
+                j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])
+            ]
+            self._specs_cache[key] = flat, sharded, donated, scatter
         return self._specs_cache[key]
 
     def __call__(self, *args, **kwargs):
         mesh = self.mesh or _mesh.current_mesh(self.where.removeprefix("pardist."))
         axes = mesh.axes(self.axis, self.where.removeprefix("pardist."))
-        specs, scatter = self._leaf_specs(args, mesh, axes)
-        named = _tree.leaves_with_paths(args, "args")
-        leaves = [leaf for _, leaf in named]
-        self._check_not_consumed(named)
+        leaves, treedef = _tree.tree_flatten(args)
+        specs, sharded, donated_idx, scatter = self._leaf_specs(args, treedef, mesh, axes)
+        if self._consumed:
+            self._check_not_consumed(leaves, args)
         check = self.calls == 0 or debug_enabled()
         group = mesh.group(axes) if check else None
         if check:
+            named = _tree.leaves_with_paths(args, "args")
             replicated = [
                 (p, x)
                 for (p, x), s in zip(named, specs)
@@ -122,22 +129,14 @@ class _Step:
                     "rank 0's values with pardist.broadcast(tree); if the input is a per-rank "
                     "shard, give it a sharded spec such as P('gpu') in in_specs."
                 )
-        donated = {
-            id(x)
-            for i in self.donate_argnums
-            for x in _tree.tree_leaves(args[i])
-            if isinstance(x, torch.Tensor)
-        }
+        donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
         ctx = StepContext(
             name=self.where,
             mesh=mesh,
             axis=axes,
             size=mesh.size(axes),
-            varying={
-                id(x)
-                for x, s in zip(leaves, specs)
-                if set(s.axes) & set(axes) or isinstance(x, DTensor)
-            },
+            varying={id(leaves[i]) for i in sharded}
+            | {id(x) for x in leaves if isinstance(x, DTensor)},
             scatter=scatter,
             donated=donated,
             reducers=self.reducers,
@@ -157,19 +156,22 @@ class _Step:
                     self._consumed[id(x)] = weakref.ref(x)
         return out
 
-    def _check_not_consumed(self, named: list[tuple[str, Any]]) -> None:
-        if not self._consumed:
-            return
-        for path, leaf in named:
+    def _check_not_consumed(self, leaves: list, args: tuple) -> None:
+        def consumed(leaf: Any) -> bool:
             ref = self._consumed.get(id(leaf))
-            if ref is not None and ref() is leaf:
+            return ref is not None and ref() is leaf
+
+        if not any(consumed(leaf) for leaf in leaves):
+            self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
+            return
+        for path, leaf in _tree.leaves_with_paths(args, "args"):
+            if consumed(leaf):
                 raise ValueError(
                     f"{self.where}: {path} was donated to an earlier call "
                     f"(donate_argnums={self.donate_argnums}) and may have been overwritten. "
                     "Pass the value that call returned instead (params, opt_state = "
                     "step(params, opt_state, batch)), or drop it from donate_argnums."
                 )
-        self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
 
     def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes: tuple[str, ...], group) -> None:
         specs = self.out_specs

@@ -32,6 +32,57 @@ def _meta_skeleton(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
+class _Slots:
+    """Where each parameter and buffer of the skeleton lives, tied aliases included.
+
+    ``torch.func.functional_call`` does the same swap, with bookkeeping that costs
+    about a millisecond per call on a small model; the skeleton is pardist's own,
+    so the tensors are put straight into its slots (as torch's ``swap_tensor``
+    does) and the meta tensors put back afterwards.
+    """
+
+    def __init__(self, skeleton: nn.Module):
+        self.skeleton = skeleton
+        self.kinds: dict[str, set[str]] = {
+            "_parameters": {n for n, _ in skeleton.named_parameters()},
+            "_buffers": {n for n, _ in skeleton.named_buffers()},
+        }
+        self.places: list[tuple[dict, str, str, str, torch.Tensor]] = []
+        for kind, named in (
+            ("_parameters", skeleton.named_parameters(remove_duplicate=False)),
+            ("_buffers", skeleton.named_buffers(remove_duplicate=False)),
+        ):
+            first: dict[int, str] = {}
+            for name, t in named:
+                owner, _, attr = name.rpartition(".")
+                table = getattr(skeleton.get_submodule(owner), kind)
+                self.places.append((table, attr, kind, first.setdefault(id(t), name), t))
+
+    def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict) -> Any:
+        for kind, given in (("_parameters", params), ("_buffers", buffers)):
+            if given.keys() != self.kinds[kind]:
+                missing = sorted(self.kinds[kind] - given.keys())
+                extra = sorted(given.keys() - self.kinds[kind])
+                raise KeyError(
+                    f"pardist.functional: apply got {kind[1:]} that do not match the module's"
+                    + (f"; missing {missing}" if missing else "")
+                    + (f"; unexpected {extra}" if extra else "")
+                    + ". Pass the dicts that pardist.functional returned (or updates of them)."
+                )
+        sources = {"_parameters": params, "_buffers": buffers}
+        try:
+            for table, attr, kind, name, _ in self.places:
+                table[attr] = sources[kind][name]
+            out = self.skeleton(*inputs, **kwargs)
+            for table, attr, kind, name, _ in self.places:
+                if kind == "_buffers":  # a module may have replaced a buffer: keep its new one
+                    buffers[name] = table[attr]
+        finally:
+            for table, attr, _, _, meta in self.places:
+                table[attr] = meta
+        return out
+
+
 def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, dict, dict]:
     """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
 
@@ -65,6 +116,7 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
     skeleton = _meta_skeleton(module)
     if sync_bn:
         skeleton = convert_batchnorm(skeleton)
+    slots = _Slots(skeleton)
     mode = {"train": skeleton.training}
 
     def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
@@ -72,9 +124,7 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
             skeleton.train(train)
             mode["train"] = train
         new_buffers = {name: b.clone() for name, b in buffers.items()}
-        out = torch.func.functional_call(
-            skeleton, (params, new_buffers), inputs, kwargs, strict=True
-        )
+        out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
             floating = {k: v for k, v in new_buffers.items() if v.is_floating_point()}

@@ -195,12 +195,16 @@ def _compute(
     nums = _argnums_tuple(argnums, len(args), where)
     batch_nums = tuple(n for n in _argnums_tuple(batch_argnums, len(args), where) if n not in nums)
     ctx = current_step()
-    trees = [args[n] for n in nums]
-    flat = [
-        _tree.check_tensor_leaves(t, where=where, name=f"args[{n}]") for n, t in zip(nums, trees)
-    ]
+    flat, treedefs = [], []
+    for n in nums:
+        part, treedef = _tree.tree_flatten(args[n])
+        if not all(isinstance(t, torch.Tensor) for t in part):
+            _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
+        flat.append(part)
+        treedefs.append(treedef)
     leaves = [leaf for part in flat for leaf in part]
-    for n, part in zip(nums, flat):
+    differentiable = all(t.is_floating_point() or t.is_complex() for t in leaves)
+    for n, part in zip(nums, [] if differentiable else flat):
         for path, leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), part):
             if not (leaf.is_floating_point() or leaf.is_complex()):
                 raise TypeError(
@@ -238,10 +242,8 @@ def _compute(
                 x.register_hook(functools.partial(_hand_over, reducer, slot[i]))
         call = list(margs)
         start = 0
-        for n, part in zip(nums, flat):
-            call[n] = _tree.tree_unflatten(
-                inputs[start : start + len(part)], _tree.tree_flatten(args[n])[1]
-            )
+        for n, part, treedef in zip(nums, flat, treedefs):
+            call[n] = _tree.tree_unflatten(inputs[start : start + len(part)], treedef)
             start += len(part)
         with torch.enable_grad():
             value, aux = _split(f(*call, **kwargs), has_aux, where)
@@ -271,21 +273,19 @@ def _compute(
     else:
         value = torch.stack(values).mean() if accumulate > 1 else values[0]
         mean_done = False
-    return value, _stack(auxes), _regroup(grads, nums, flat, args), mean_done
+    return value, _stack(auxes), _regroup(grads, flat, treedefs), mean_done
 
 
 def _hand_over(reducer: Reducer, index: int, grad: torch.Tensor) -> None:
     reducer.add(index, grad)
 
 
-def _regroup(grads: list, nums: tuple, flat: list, args: tuple) -> Any:
+def _regroup(grads: list, flat: list, treedefs: list) -> Any:
     out, start = [], 0
-    for n, part in zip(nums, flat):
-        out.append(
-            _tree.tree_unflatten(grads[start : start + len(part)], _tree.tree_flatten(args[n])[1])
-        )
+    for part, treedef in zip(flat, treedefs):
+        out.append(_tree.tree_unflatten(grads[start : start + len(part)], treedef))
         start += len(part)
-    return out[0] if len(nums) == 1 else tuple(out)
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def _compute_functorch(

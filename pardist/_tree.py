@@ -113,12 +113,14 @@ def broadcast_prefix(
 
 def check_tensor_leaves(tree: Any, *, where: str, name: str) -> list[torch.Tensor]:
     """The leaves of ``tree``, which must all be tensors; else a clear error."""
-    flat = leaves_with_paths(tree, name)
-    for path, leaf in flat:
+    leaves = tree_leaves(tree)
+    if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return leaves  # the common case, without building key paths
+    for path, leaf in leaves_with_paths(tree, name):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{where}: {path} is {_kind(leaf)} ({leaf!r:.40}), not a tensor. This "
                 "takes a tree of tensors: wrap numbers with torch.tensor(...) or leave "
                 "them out of the tree."
             )
-    return [leaf for _, leaf in flat]
+    return leaves

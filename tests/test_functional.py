@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import helpers
+import pytest
 import torch
 from torch import nn
 
@@ -95,3 +96,35 @@ def test_cross_replica_statistics_are_float32_under_bf16(run):
     for dtype, running_var in run(2, _bf16_statistics):
         assert dtype == torch.bfloat16
         torch.testing.assert_close(running_var, expected, rtol=1e-4, atol=1e-4)
+
+
+class _Counting(nn.Module):
+    """Ties a layer's weight to another's, and replaces (not updates) a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.b(self.a(x))
+
+
+def test_tied_weights_replaced_buffers_and_wrong_keys():
+    torch.manual_seed(0)
+    net = _Counting()
+    apply, params, buffers = pardist.functional(net)
+    assert sorted(params) == ["a.bias", "a.weight", "b.bias"]  # the tied weight once
+    x = torch.randn(2, 3)
+    out, new = apply(params, buffers, x)
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)
+    assert float(new["calls"]) == 1.0 and float(buffers["calls"]) == 0.0
+    # the gradient of the tied weight sums both uses, as in the module
+    g = pardist.grad(lambda p: apply(p, buffers, x)[0].sum())(params)
+    net.zero_grad()
+    net(x).sum().backward()
+    torch.testing.assert_close(g["a.weight"], net.a.weight.grad)
+    with pytest.raises(KeyError, match=r"missing \['b.bias'\]; unexpected \['c'\]"):
+        apply({**{k: v for k, v in params.items() if k != "b.bias"}, "c": x}, buffers, x)

@@ -91,7 +91,10 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
             f"{where}: grads and params have different structures ({len(g_leaves)} vs "
             f"{len(p_leaves)} leaves). Pass the gradients of exactly these params."
         )
-    _tree.check_tensor_leaves(params, where=where, name="params")
+    if not all(isinstance(p, torch.Tensor) for p in p_leaves):
+        _tree.check_tensor_leaves(params, where=where, name="params")  # names the leaf
+    if all(isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(g_leaves, p_leaves)):
+        return g_leaves, p_leaves, treedef  # the common case, without building key paths
     for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), p_leaves):
         if not isinstance(g, torch.Tensor) or g.shape != p.shape:
             shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
