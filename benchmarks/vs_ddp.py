@@ -15,7 +15,9 @@ the median milliseconds per step:
     pardist    pardist.data_parallel + pardist.grad + pardist.optim, params donated
     pardist_half  the same with compression in that half dtype
 
-The no-overlap limit is local + allreduce. Each rank runs one thread. On CUDA the
+The no-overlap limit is local + allreduce. Every number is the median over rounds
+of the slowest rank's time in that round: a synchronous step is as slow as its
+slowest rank, step by step. Each rank runs one thread. On CUDA the
 same script runs with nccl (and reports CUDA-synchronised times). ``PARDIST_SHM=0``
 makes pardist reduce through gloo like DDP; ``--overlap on`` starts each bucket's
 all-reduce during the backward (the default: on for GPUs, off for CPU).
@@ -154,11 +156,15 @@ def measure(names: list[str], steps: int, warmup: int, overlap: str) -> dict:
                 sync()
                 if i >= warmup:
                     times[k].append(time.perf_counter() - t0)
-        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-        # every rank measured; the step is as slow as its slowest rank
+        # A synchronous step waits for its slowest rank in every step: the time of a
+        # round is the max over ranks, and the median is taken over rounds, for every
+        # variant alike (the local step and the all-reduce too, so the limit is fair).
         gathered = [None] * world
-        dist.all_gather_object(gathered, med)
-        results[name] = {k: max(m[k] for m in gathered) for k in med}
+        dist.all_gather_object(gathered, times)
+        results[name] = {
+            k: 1e3 * statistics.median(max(step) for step in zip(*(g[k] for g in gathered)))
+            for k in times
+        }
     return results
 
 

@@ -41,6 +41,9 @@ class StepContext:
     donated: set[int]  # ids of input leaves the caller donated
     reducers: dict[Any, Any]  # persistent across calls: key -> pardist._reducer.Reducer
     scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
+    # Tensors made in the step that must end it averaged over the axis (batch-norm
+    # statistics with sync_bn=False): pardist.grad carries them with the gradients.
+    pending_means: list = dataclasses.field(default_factory=list)
     compression: torch.dtype | None = None
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist import _mesh, _replication, _specs, _tree
+from pardist import _collectives, _mesh, _replication, _specs, _tree
 from pardist._context import StepContext, debug_enabled, entered
 from pardist._specs import P
 from pardist.optim._sharded import ShardedState
@@ -146,6 +146,10 @@ class _Step:
         )
         with entered(ctx):
             out = self.fn(*args, **kwargs)
+            if ctx.pending_means:  # statistics no gradient computation carried
+                means = _collectives.pmean(ctx.pending_means, axes)
+                for t, mean in zip(ctx.pending_means, means):
+                    t.copy_(mean)
         self.calls += 1
         if check:
             self._check_outputs(out, mesh, axes, group)

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pardist import _collectives
 from pardist._batchnorm import convert_batchnorm
 from pardist._context import current_step
 
@@ -93,9 +92,10 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
             whole global batch (fastai's default ``sync_bn=True``), so N ranks
             train exactly as one process on the concatenated batch. With
             ``sync_bn=False`` each rank normalises with its own shard's
-            statistics (as DDP does without SyncBatchNorm) and the running
-            statistics that ``apply`` returns are averaged over the axis, so that
-            every replica keeps the same buffers.
+            statistics (as DDP does without SyncBatchNorm); the running
+            statistics that ``apply`` returns are averaged over the axis by the
+            end of the step (in the gradient all-reduce, when ``pardist.grad``
+            runs), so that every replica keeps the same buffers.
 
     Returns:
         ``(apply, params, buffers)``: detached copies of the parameters and
@@ -127,8 +127,9 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
         out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
-            floating = {k: v for k, v in new_buffers.items() if v.is_floating_point()}
-            new_buffers.update(_collectives.pmean(floating, ctx.axis))
+            # Averaged over the axis by the end of the step, in place: with the
+            # gradients if pardist.grad runs, else on their own (see data_parallel).
+            ctx.pending_means.extend(v for v in new_buffers.values() if v.is_floating_point())
         return out, new_buffers
 
     apply.__doc__ = f"Pure forward of {type(module).__name__}: (outputs, new_buffers)."

@@ -217,57 +217,64 @@ def _compute(
         return _compute_functorch(
             f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
         )
-    reducer, carry, scatter = None, 0, False
-    if reduce or accumulate > 1:
-        rep = [t for t, r in zip(leaves, replicated) if r]
-        scatter = reduce and bool(ctx.scatter) and signature(rep) in ctx.scatter
-        if scatter:  # a sharded optimizer takes these: reduce-scatter (ZeRO-2)
-            reducer = _scatter_reducer(ctx, rep)
-        else:
-            # Slot 0 carries the loss, so that its mean rides in the last bucket for free.
-            carry = 1 if rep else 0
-            like = [torch.empty((), dtype=rep[0].dtype, device=rep[0].device)] * carry + rep
-            reducer = _reducer(ctx, like) if reduce else Reducer(like, [], 1)
-        slot = {i: j + carry for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
-        reducer.begin(accumulate)
+    rep = [t for t, r in zip(leaves, replicated) if r]
+    rep_index = {i: j for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
+    scatter = reduce and bool(ctx.scatter) and signature(rep) in ctx.scatter
+    # One pass with an all-reduce: the reducer is made after the forward, so that the
+    # statistics the forward left to average (batch norm with sync_bn=False) ride in
+    # the gradient buckets instead of costing a collective of their own.
+    late = reduce and not scatter and accumulate == 1
+    hand, pending = _HandOver(), []
+    if (reduce or accumulate > 1) and not late:
+        hand.use(ctx, rep, scatter, reduce, [], accumulate)
     local_sum: list[torch.Tensor | None] = [None] * len(leaves)
     values, auxes = [], []
     for j, margs in enumerate(_micro_batches(args, batch_nums, accumulate, where)):
-        if reducer is not None and j == accumulate - 1:
-            reducer.last_micro_batch()
+        if hand.reducer is not None and j == accumulate - 1:
+            hand.reducer.last_micro_batch()
         inputs = [t.detach().requires_grad_() for t in leaves]
         for i, x in enumerate(inputs):
-            if reducer is not None and replicated[i]:
+            if replicated[i] and (reduce or accumulate > 1):
                 # The reducer takes each gradient the moment autograd produces it.
-                x.register_hook(functools.partial(_hand_over, reducer, slot[i]))
+                x.register_hook(functools.partial(hand, rep_index[i]))
         call = list(margs)
         start = 0
         for n, part, treedef in zip(nums, flat, treedefs):
             call[n] = _tree.tree_unflatten(inputs[start : start + len(part)], treedef)
             start += len(part)
+        mark = len(ctx.pending_means)
         with torch.enable_grad():
             value, aux = _split(f(*call, **kwargs), has_aux, where)
-        if carry:
-            reducer.add(0, value.detach())
+        if late:
+            pending = ctx.pending_means[mark:]
+            del ctx.pending_means[mark:]
+            hand.use(ctx, rep, False, True, pending, 1)
+        if hand.carry:
+            hand.reducer.add(0, value.detach())
+            for k, t in enumerate(pending):
+                hand.reducer.add(1 + k, t)
         if value.requires_grad:
             got = torch.autograd.grad(value, inputs, allow_unused=True)
             for i, g in enumerate(got):
-                if g is not None and (reducer is None or not replicated[i]):
+                if g is not None and (hand.reducer is None or not replicated[i]):
                     local_sum[i] = g if local_sum[i] is None else local_sum[i] + g
         values.append(value.detach())
         auxes.append(
             _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         )
-    reduced = reducer.finish() if reducer is not None else []
+    reduced = hand.reducer.finish() if hand.reducer is not None else []
+    for k, t in enumerate(pending):
+        t.copy_(reduced[1 + k])  # the averaged statistics, into the tensors apply returned
     grads = []
     for i, t in enumerate(leaves):
-        if reducer is not None and replicated[i]:
-            grads.append(_as_shard(reduced[slot[i]], t, ctx) if scatter else reduced[slot[i]])
+        if hand.reducer is not None and replicated[i]:
+            g = reduced[hand.base + rep_index[i]]
+            grads.append(_as_shard(g, t, ctx) if scatter else g)
         elif local_sum[i] is None:
             grads.append(torch.zeros_like(t))
         else:
             grads.append(local_sum[i] / accumulate if accumulate > 1 else local_sum[i])
-    if reduce and carry:
+    if reduce and hand.carry:
         # The global mean loss, copied out: callers keep losses, not bucket views.
         value, mean_done = reduced[0].to(values[0].dtype, copy=True), True
     else:
@@ -276,8 +283,34 @@ def _compute(
     return value, _stack(auxes), _regroup(grads, flat, treedefs), mean_done
 
 
-def _hand_over(reducer: Reducer, index: int, grad: torch.Tensor) -> None:
-    reducer.add(index, grad)
+class _HandOver:
+    """What gradient hooks call: the reducer (which may be made after the forward)."""
+
+    reducer: Reducer | None = None
+    carry = 0  # slot 0 carries the loss, slots 1.. the statistics to average
+    base = 0  # the first gradient's slot
+
+    def use(
+        self,
+        ctx: StepContext,
+        rep: list,
+        scatter: bool,
+        reduce: bool,
+        pending: list,
+        accumulate: int,
+    ) -> None:
+        if scatter:  # a sharded optimizer takes these: reduce-scatter (ZeRO-2)
+            self.reducer, self.carry, self.base = _scatter_reducer(ctx, rep), 0, 0
+        else:
+            self.carry = 1 if rep else 0
+            scalar = [torch.empty((), dtype=rep[0].dtype, device=rep[0].device)] if rep else []
+            like = scalar + list(pending) + rep
+            self.reducer = _reducer(ctx, like) if reduce else Reducer(like, [], 1)
+            self.base = self.carry + len(pending)
+        self.reducer.begin(accumulate)
+
+    def __call__(self, index: int, grad: torch.Tensor) -> None:
+        self.reducer.add(self.base + index, grad)
 
 
 def _regroup(grads: list, flat: list, treedefs: list) -> Any:

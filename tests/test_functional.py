@@ -128,3 +128,39 @@ def test_tied_weights_replaced_buffers_and_wrong_keys():
     torch.testing.assert_close(g["a.weight"], net.a.weight.grad)
     with pytest.raises(KeyError, match=r"missing \['b.bias'\]; unexpected \['c'\]"):
         apply({**{k: v for k, v in params.items() if k != "b.bias"}, "c": x}, buffers, x)
+
+
+def _in_grad(with_grad: bool):
+    """The statistics made inside the differentiated function ride with the gradients."""
+    import pardist._collectives as collectives
+
+    bn = nn.BatchNorm1d(3)
+    apply, params, buffers = pardist.functional(bn, sync_bn=False)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(pardist.rank())) + pardist.rank()
+    calls = []
+    original = collectives._reduce
+    collectives._reduce = lambda *a: calls.append(a) or original(*a)
+    try:
+
+        @pardist.data_parallel()
+        def step(p, b, x):
+            if with_grad:
+                loss = lambda p, b, x: (lambda o: (o[0].square().mean(), o[1]))(apply(p, b, x))  # noqa: E731
+                _, nb = pardist.grad(loss, has_aux=True)(p, b, x)
+                return nb
+            return apply(p, b, x)[1]
+
+        new = step(params, buffers, x)
+    finally:
+        collectives._reduce = original
+    return new["running_mean"], 0.1 * x.mean(0), len(calls)
+
+
+def test_per_shard_statistics_are_averaged_without_a_collective_of_their_own(run):
+    for with_grad in (True, False):
+        results = run(2, _in_grad, with_grad)
+        expected = (results[0][1] + results[1][1]) / 2  # the mean of each rank's own
+        for running_mean, _, calls in results:
+            torch.testing.assert_close(running_mean, expected)
+            # with pardist.grad, the buckets carry them; without, one coalesced mean
+            assert calls == (0 if with_grad else 1)
