@@ -19,8 +19,8 @@ The no-overlap limit is local + allreduce. Every number is the median over round
 of the slowest rank's time in that round: a synchronous step is as slow as its
 slowest rank, step by step. Each rank runs one thread. On CUDA the
 same script runs with nccl (and reports CUDA-synchronised times). ``PARDIST_SHM=0``
-makes pardist reduce through gloo like DDP; ``--overlap on`` starts each bucket's
-all-reduce during the backward (the default: on for GPUs, off for CPU).
+makes pardist reduce through gloo like DDP; ``--overlap off`` waits for the whole
+backward before reducing (the default, on, starts each bucket as it fills).
 """
 
 from __future__ import annotations
@@ -81,10 +81,10 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-OVERLAP = {"auto": None, "on": True, "off": False}
+OVERLAP = {"on": True, "off": False}
 
 
-def variants(name: str, world: int, overlap: str = "auto"):
+def variants(name: str, world: int, overlap: str = "on"):
     """{variant: step function} for one model, each with its own state."""
     make, shape, batch = MODELS[name]
     device = pardist.device()
@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--overlap", choices=list(OVERLAP), default="auto")
+    parser.add_argument("--overlap", choices=list(OVERLAP), default="on")
     parser.add_argument("--name", default="vs_ddp", help="file name of the .json and .png")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
@@ -235,8 +235,11 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     shm = os.environ.get("PARDIST_SHM", "1")
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump({"device": str(pardist.device()), "PARDIST_SHM": shm, "rows": rows,
-                   "args": vars(args)}, f, indent=1)
+        json.dump(
+            {"device": str(pardist.device()), "PARDIST_SHM": shm, "rows": rows, "args": vars(args)},
+            f,
+            indent=1,
+        )
     plot(rows, os.path.join(args.out, f"{args.name}.png"))
 
 

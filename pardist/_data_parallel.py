@@ -96,7 +96,10 @@ class _Step:
                 n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
             )
             sharded = [i for i, s in enumerate(flat) if set(s.axes) & set(axes)]
-            counts = [child.num_leaves for child in treedef.children_specs]
+            children = (
+                treedef.children() if hasattr(treedef, "children") else treedef.children_specs
+            )  # torch < 2.9
+            counts = [child.num_leaves for child in children]
             starts = [sum(counts[:i]) for i in range(len(counts))]
             donated = [
                 j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])
@@ -141,7 +144,7 @@ class _Step:
             donated=donated,
             reducers=self.reducers,
             compression=self.compression,
-            overlap=_default_overlap(leaves) if self.overlap is None else self.overlap,
+            overlap=self.overlap,
             bucket_bytes=int(self.bucket_mb * 2**20),
         )
         with entered(ctx):
@@ -212,13 +215,6 @@ def _count(specs: Any) -> str:
     return str(len(specs)) if isinstance(specs, (tuple, list)) else f"a {type(specs).__name__}"
 
 
-def _default_overlap(leaves: Sequence[Any]) -> bool:
-    # Overlapping the all-reduce with the backward wins where communication runs on
-    # its own engine (NCCL on a GPU); on CPU, gloo competes with the backward for
-    # the same cores (measured: no gain), so the reduction waits for the backward.
-    return any(isinstance(x, torch.Tensor) and x.device.type != "cpu" for x in leaves)
-
-
 def data_parallel(
     fn: Callable | None = None,
     axis: str | tuple[str, ...] = "gpu",
@@ -228,7 +224,7 @@ def data_parallel(
     mesh: _mesh.Mesh | None = None,
     donate_argnums: int | Sequence[int] = (),
     compression: str | torch.dtype | None = None,
-    overlap: bool | None = None,
+    overlap: bool = True,
     bucket_mb: float = 25.0,
 ):
     """Make ``fn`` a data-parallel step over ``axis``: each rank calls it with its own data.
@@ -255,8 +251,10 @@ def data_parallel(
             caller must not use them after the call; passing one again is an error.
         compression: 'bf16' or 'fp16' to communicate gradients in half precision,
             as DDP's compression hooks do; None for full precision.
-        overlap: start each gradient bucket's all-reduce during the backward.
-            Default: on for accelerators, off for CPU (where it only competes for cores).
+        overlap: start each gradient bucket's all-reduce as soon as the backward has
+            filled it (default), as DDP does; False waits for the whole backward.
+            Buckets in shared memory (CPU ranks on one host) are always reduced
+            after the backward: that reduction is a synchronous copy.
         bucket_mb: gradient bucket size in MiB (DDP's ``bucket_cap_mb``).
 
     Returns:

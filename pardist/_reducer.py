@@ -206,7 +206,9 @@ class Reducer:
         if self._last:
             bucket = self.buckets[self.slots[i].bucket]
             bucket.pending -= 1
-            if self.overlap and bucket.pending == 0:
+            # Shared-memory buckets wait for the end of the backward: their reduction
+            # is a synchronous copy, which would only stall the backward here.
+            if self.overlap and bucket.pending == 0 and not bucket.shared:
                 self._launch_ready()
 
     def _launch_ready(self) -> None:

@@ -282,3 +282,13 @@ def test_hierarchical_axes_equal_flat_reduction(run):
     for k in hier[0]:
         torch.testing.assert_close(hier[0][k], flat[0][k], **TOL)
         assert all(torch.equal(h[k], hier[0][k]) for h in hier)
+
+
+def test_overlapped_reduction_gives_the_same_numbers(run):
+    # Through gloo (no shared memory), buckets launched during the backward or after it
+    # are the same all-reduces of the same buckets: bit-identical results.
+    env = {"PARDIST_SHM": "0"}
+    on = run(2, helpers.train_pardist, "convnet", "adamw", overlap=True, env=env)
+    off = run(2, helpers.train_pardist, "convnet", "adamw", overlap=False, env=env)
+    for k in on[0][0]:
+        assert torch.equal(on[0][0][k], off[0][0][k])
