@@ -149,13 +149,39 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
         chosen = backend or _default_backend(dev)
         kwargs = dict(backend=chosen, timeout=_timeout(timeout))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(**kwargs)
+            store = _attempt_store(kwargs["timeout"])
+            if store is not None:
+                rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                dist.init_process_group(store=store, rank=rank_, world_size=world, **kwargs)
+            else:
+                dist.init_process_group(**kwargs)
         else:
             # A plain python process: a group of one over an in-memory store, so
             # meshes, checkpoints and collectives behave as under torchrun.
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         _owns_group = True
     return _mesh.default_mesh()
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """Under torchrun's agent store: the store seen through a prefix for this restart.
+
+    torchrun (2.13) keeps its rendezvous store across ``--max-restarts``, and the
+    restarted group then finds the dead attempt's gloo keys and fails (``Gloo
+    connectFullMesh failed ... Connection refused``) or hangs. A prefix per attempt
+    gives every restart fresh keys. Elsewhere None: torch's env:// does the rest.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"pardist/attempt_{attempt}/", store)
 
 
 def shutdown() -> None:
