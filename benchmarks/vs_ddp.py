@@ -141,31 +141,34 @@ def variants(name: str, world: int, overlap: str = "on"):
     return out
 
 
+def interleaved_ms(fns: dict, steps: int, warmup: int) -> dict[str, float]:
+    """Median ms per step of each function, run in turn, one round at a time.
+
+    A synchronous step waits for its slowest rank in every step: the time of a
+    round is the max over ranks, and the median is taken over rounds, for every
+    variant alike (the local step and the all-reduce too, so the limit is fair).
+    """
+    times = {k: [] for k in fns}
+    for i in range(warmup + steps):
+        for k, fn in fns.items():  # every variant once per round: noise hits all alike
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    return {
+        k: 1e3 * statistics.median(max(step) for step in zip(*(g[k] for g in gathered)))
+        for k in times
+    }
+
+
 def measure(names: list[str], steps: int, warmup: int, overlap: str) -> dict:
     world = dist.get_world_size()
-    results = {}
-    for name in names:
-        fns = variants(name, world, overlap)
-        times = {k: [] for k in fns}
-        for i in range(warmup + steps):
-            for k, fn in fns.items():  # interleaved: every variant once per round
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                if i >= warmup:
-                    times[k].append(time.perf_counter() - t0)
-        # A synchronous step waits for its slowest rank in every step: the time of a
-        # round is the max over ranks, and the median is taken over rounds, for every
-        # variant alike (the local step and the all-reduce too, so the limit is fair).
-        gathered = [None] * world
-        dist.all_gather_object(gathered, times)
-        results[name] = {
-            k: 1e3 * statistics.median(max(step) for step in zip(*(g[k] for g in gathered)))
-            for k in times
-        }
-    return results
+    return {name: interleaved_ms(variants(name, world, overlap), steps, warmup) for name in names}
 
 
 def worker(names, steps, warmup, threads, overlap):

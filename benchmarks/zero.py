@@ -15,8 +15,6 @@ optimizer state each rank holds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from vs_ddp import MODELS, sync
+from vs_ddp import MODELS, interleaved_ms
 
 import pardist
 
@@ -81,26 +79,11 @@ def worker(names, steps, warmup):
     rows = []
     for name in names:
         fns, memory = variants(name)
-        times = {k: [] for k in fns}
-        for i in range(warmup + steps):
-            for k, fn in fns.items():
-                dist.barrier()
-                sync()
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                if i >= warmup:
-                    times[k].append(time.perf_counter() - t0)
-        med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+        ms = interleaved_ms(fns, steps, warmup)
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (med, memory))
-        rows.append(
-            {
-                "model": name,
-                "ms": {k: max(m[0][k] for m in everyone) for k in med},
-                "bytes": {k: max(m[1][k] for m in everyone) for k in memory},
-            }
-        )
+        dist.all_gather_object(everyone, memory)
+        bytes_ = {k: max(m[k] for m in everyone) for k in memory}
+        rows.append({"model": name, "ms": ms, "bytes": bytes_})
     return rows
 
 

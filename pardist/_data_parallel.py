@@ -118,12 +118,7 @@ class _Step:
         group = mesh.group(axes) if check else None
         if check:
             named = _tree.leaves_with_paths(args, "args")
-            replicated = [
-                (p, x)
-                for (p, x), s in zip(named, specs)
-                if not set(s.axes) & set(axes) and not isinstance(x, DTensor)
-            ]
-            problem = _replication.mismatch(replicated, group)
+            problem = _replication.mismatch(_replicated(named, specs, axes), group)
             if problem:
                 raise ValueError(
                     f"{self.where}: replicated inputs must be identical on every rank of "
@@ -194,12 +189,7 @@ class _Step:
             _specs.check_fits(
                 spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
             )
-        replicated = [
-            (p, x)
-            for (p, x), s in zip(named, flat)
-            if not set(s.axes) & set(axes) and not isinstance(x, DTensor)
-        ]
-        problem = _replication.mismatch(replicated, group)
+        problem = _replication.mismatch(_replicated(named, flat, axes), group)
         if problem:
             axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)
             raise ValueError(
@@ -213,6 +203,15 @@ class _Step:
 
 def _count(specs: Any) -> str:
     return str(len(specs)) if isinstance(specs, (tuple, list)) else f"a {type(specs).__name__}"
+
+
+def _replicated(named: list, specs: list, axes: tuple[str, ...]) -> list:
+    """The (path, leaf) pairs meant to be identical on every rank of ``axes``."""
+    return [
+        (p, x)
+        for (p, x), s in zip(named, specs)
+        if not set(s.axes) & set(axes) and not isinstance(x, DTensor)
+    ]
 
 
 def data_parallel(
