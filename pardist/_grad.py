@@ -19,12 +19,11 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import einops
 import torch
 import torch.func
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _collectives, _tree
+from pardist import _collectives, _microbatch, _tree
 from pardist._context import StepContext, current_step
 from pardist._reducer import Reducer
 from pardist._zero import ScatterReducer, signature
@@ -80,50 +79,6 @@ def _split(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
             f"{what}. Reduce it first (e.g. loss.mean())."
         )
     return value, aux
-
-
-def _micro_batches(args: tuple, batch_argnums: tuple[int, ...], k: int, where: str) -> list[tuple]:
-    """Split the batch arguments along dim 0 into ``k`` micro-batches (einops)."""
-    if k == 1:
-        return [args]
-    split = list(args)
-    for n in batch_argnums:
-        for path, leaf in _tree.leaves_with_paths(args[n], f"args[{n}]"):
-            if isinstance(leaf, torch.Tensor) and leaf.ndim and leaf.shape[0] % k:
-                raise ValueError(
-                    f"{where}: accumulate={k} cannot split {path} of shape "
-                    f"{tuple(leaf.shape)} into equal micro-batches along dim 0; use a batch "
-                    f"size divisible by {k}."
-                )
-        split[n] = _tree.tree_map(
-            lambda x: (
-                einops.rearrange(x, "(k b) ... -> k b ...", k=k)
-                if isinstance(x, torch.Tensor) and x.ndim
-                else x
-            ),
-            args[n],
-        )
-    return [
-        tuple(
-            _tree.tree_map(lambda x, j=j: x[j] if isinstance(x, torch.Tensor) and x.ndim else x, a)
-            if i in batch_argnums
-            else a
-            for i, a in enumerate(split)
-        )
-        for j in range(k)
-    ]
-
-
-def _stack(items: list[Any]) -> Any:
-    if len(items) == 1 or items[0] is None:
-        return items[0]
-    flat = [_tree.tree_flatten(item)[0] for item in items]
-    spec = _tree.tree_flatten(items[0])[1]
-    leaves = [
-        torch.stack(column) if isinstance(column[0], torch.Tensor) else list(column)
-        for column in zip(*flat)
-    ]
-    return _tree.tree_unflatten(leaves, spec)
 
 
 def _scatter_reducer(ctx: StepContext, like: list[torch.Tensor]) -> ScatterReducer:
@@ -229,7 +184,7 @@ def _compute(
         hand.use(ctx, rep, scatter, reduce, [], accumulate)
     local_sum: list[torch.Tensor | None] = [None] * len(leaves)
     values, auxes = [], []
-    for j, margs in enumerate(_micro_batches(args, batch_nums, accumulate, where)):
+    for j, margs in enumerate(_microbatch.split(args, batch_nums, accumulate, where)):
         if hand.reducer is not None and j == accumulate - 1:
             hand.reducer.last_micro_batch()
         inputs = [t.detach().requires_grad_() for t in leaves]
@@ -280,7 +235,7 @@ def _compute(
     else:
         value = torch.stack(values).mean() if accumulate > 1 else values[0]
         mean_done = False
-    return value, _stack(auxes), _regroup(grads, flat, treedefs), mean_done
+    return value, _microbatch.stack(auxes), _regroup(grads, flat, treedefs), mean_done
 
 
 class _HandOver:
@@ -341,7 +296,7 @@ def _compute_functorch(
         return out
 
     results = []
-    for margs in _micro_batches(args, batch_nums, accumulate, where):
+    for margs in _microbatch.split(args, batch_nums, accumulate, where):
         g, out = torch.func.grad_and_value(
             marked, argnums=nums if len(nums) > 1 else nums[0], has_aux=has_aux
         )(*margs)
@@ -351,7 +306,7 @@ def _compute_functorch(
         return (*results[0], False)
     grads = _tree.tree_map(lambda *gs: sum(gs) / accumulate, *[r[2] for r in results])
     value = torch.stack([r[0] for r in results]).mean()
-    return value, _stack([r[1] for r in results]), grads, False
+    return value, _microbatch.stack([r[1] for r in results]), grads, False
 
 
 def grad(

@@ -8,6 +8,7 @@ name axes; the mesh turns a name into process groups.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -21,6 +22,7 @@ AxisName = str | tuple[str, ...]
 
 _default: Mesh | None = None
 _stack: list[Mesh] = []
+_live: weakref.WeakSet = weakref.WeakSet()  # every Mesh, to let go of at shutdown
 
 
 class Mesh:
@@ -69,10 +71,27 @@ class Mesh:
             )
         self.shape: dict[str, int] = axes
         self.device_type = device_type or _runtime.device().type
-        self.device_mesh = init_device_mesh(
+        self._device_mesh = init_device_mesh(
             self.device_type, tuple(axes.values()), mesh_dim_names=tuple(axes)
         )
-        self._flat: dict[tuple[str, ...], dist.ProcessGroup] = {}
+        self._flat: dict[tuple[str, ...], _runtime.GroupRef] = {}
+        _live.add(self)
+
+    @property
+    def device_mesh(self):
+        """torch's DeviceMesh behind this mesh (valid until ``pardist.shutdown``)."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"pardist.Mesh: {self!r} belonged to a process group that was shut down. "
+                "Build the mesh again after pardist.init()."
+            )
+        return self._device_mesh
+
+    def _release(self) -> None:
+        # A DeviceMesh keeps its process groups alive; at shutdown it must let go,
+        # or the groups' threads outlive destroy_process_group (see GroupRef).
+        self._device_mesh = None
+        self._flat.clear()
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -127,10 +146,11 @@ class Mesh:
                     "where a single group spanning them is needed."
                 )
             if names == self.axis_names:
-                self._flat[names] = dist.group.WORLD
+                group = dist.group.WORLD
             else:
-                self._flat[names] = self.device_mesh[names]._flatten().get_group()
-        return self._flat[names]
+                group = self.device_mesh[names]._flatten().get_group()
+            self._flat[names] = _runtime.GroupRef(group)
+        return self._flat[names].get()
 
     def submesh(self, axis: AxisName, where: str = "Mesh"):
         """The 1-D DeviceMesh over ``axis`` (flattened, for a tuple), e.g. for DTensors."""
@@ -171,9 +191,12 @@ def default_mesh() -> Mesh:
 
 
 def forget_default_mesh() -> None:
+    """At shutdown: forget the default mesh and release every mesh's process groups."""
     global _default
     _default = None
     _stack.clear()
+    for mesh in list(_live):
+        mesh._release()
 
 
 def current_mesh(where: str) -> Mesh:

@@ -25,6 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from pardist._runtime import GroupRef
 from pardist._shm import ALIGN, SharedMemoryGroup
 
 __all__ = ["Reducer"]
@@ -118,7 +119,8 @@ class Reducer:
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
     ):
-        self.groups, self.divisor, self.overlap = groups, divisor, overlap
+        self._groups = [GroupRef(g) for g in groups]  # by name: never keeps a group alive
+        self.divisor, self.overlap = divisor, overlap
         self._build(like, comm_dtype, bucket_bytes, first_bucket_bytes)
         self.arena = self.staging = None
         if groups:
@@ -127,6 +129,10 @@ class Reducer:
         self._next = 0
         self._last = True
         self._scale = 1.0
+
+    @property
+    def groups(self) -> list:
+        return [ref.get() for ref in self._groups]
 
     def _build(self, like, comm_dtype, bucket_bytes: int, first_bucket_bytes: int) -> None:
         self.buckets, places = assign(
@@ -217,7 +223,7 @@ class Reducer:
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        if not self.groups:
+        if not self._groups:
             return
         if bucket.shared:
             self.arena.reduce_in_place(bucket.arena_offset, bucket.numel, bucket.dtype)
@@ -241,13 +247,14 @@ class Reducer:
         for bucket in self.buckets:
             bucket.pending = 0
         self._launch_ready()
-        if self.arena is not None and self.groups and any(b.shared for b in self.buckets):
+        if self.arena is not None and self._groups and any(b.shared for b in self.buckets):
             self.arena.barrier()  # every rank has copied out before regions are rewritten
+        outer = self.groups[1:]  # outer axes, reduced after the inner one
         for bucket in self.buckets:
             data = bucket.buffer if bucket.comm is None else bucket.comm
             if bucket.work is not None:
                 bucket.work.wait()
-            for group in self.groups[1:]:  # outer axes, after the inner one
+            for group in outer:
                 dist.all_reduce(data, group=group)
             if bucket.comm is not None:
                 bucket.buffer.copy_(bucket.comm)

@@ -7,10 +7,11 @@ none of it and counts as world size 1, so one script runs under both launchers.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,32 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 600.0
 
 _owns_group = False
+_shutdown_hooks: list[Callable[[], None]] = []
+_atexit_registered = False
+
+
+class GroupRef:
+    """A process group held by name, so that holding one never keeps the group alive.
+
+    A gloo group that outlives ``destroy_process_group`` (because some object still
+    refers to it) is torn down during interpreter exit, where its worker threads can
+    abort the process ("terminate called without an active exception"). pardist's
+    long-lived objects (gradient buckets, meshes) therefore keep names, not groups.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.name = group.group_name
+
+    def get(self) -> dist.ProcessGroup:
+        return dist.distributed_c10d._resolve_process_group(self.name)
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at :func:`shutdown`, before the group goes: to drop cached references."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -143,6 +170,12 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
     from pardist import _mesh  # the mesh layer sits above this one
 
     if not is_initialized():
+        # torch 2.13: torch.distributed.checkpoint imported *after* the group starts
+        # keeps the group alive past destroy_process_group; its gloo threads are then
+        # torn down at interpreter exit, which sometimes aborts the process
+        # ("terminate called without an active exception"). Imported first, it does not.
+        import torch.distributed.checkpoint  # noqa: F401
+
         dev = device()
         if dev.type != "cpu":
             getattr(torch, dev.type).set_device(dev)
@@ -160,6 +193,10 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
             # meshes, checkpoints and collectives behave as under torchrun.
             dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         _owns_group = True
+        global _atexit_registered
+        if not _atexit_registered:  # torn down while the interpreter is whole, not during exit
+            atexit.register(shutdown)
+            _atexit_registered = True
     return _mesh.default_mesh()
 
 
@@ -190,6 +227,8 @@ def shutdown() -> None:
     from pardist import _mesh
 
     _mesh.forget_default_mesh()
+    for hook in _shutdown_hooks:
+        hook()
     if _owns_group and is_initialized():
         dist.destroy_process_group()
     _owns_group = False

@@ -72,7 +72,7 @@ def _futex_wake(address: int) -> None:
 
 
 COLLECTIVE_BYTES = 4 * 2**20  # region per rank for psum / pmax / all_gather
-_collective_groups: dict[int, tuple[dist.ProcessGroup, SharedMemoryGroup | None]] = {}
+_collective_groups: dict[str, SharedMemoryGroup | None] = {}  # by group name
 
 
 def for_collectives(group: dist.ProcessGroup) -> SharedMemoryGroup | None:
@@ -80,13 +80,13 @@ def for_collectives(group: dist.ProcessGroup) -> SharedMemoryGroup | None:
 
     Made on first use, which every rank of the group reaches at the same point.
     """
-    entry = _collective_groups.get(id(group))
-    if entry is None or entry[0] is not group:
-        entry = _collective_groups[id(group)] = (
-            group,
-            SharedMemoryGroup.create(group, COLLECTIVE_BYTES),
-        )
-    return entry[1]
+    name = group.group_name
+    if name not in _collective_groups:
+        _collective_groups[name] = SharedMemoryGroup.create(group, COLLECTIVE_BYTES)
+    return _collective_groups[name]
+
+
+_runtime.on_shutdown(_collective_groups.clear)  # names are reused by the next init
 
 
 def _host_identity() -> tuple[str, int]:

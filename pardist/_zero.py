@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pardist._reducer import Reducer, _Bucket, _references, assign
+from pardist._runtime import GroupRef
 from pardist._shm import ALIGN, SharedMemoryGroup
 
 __all__ = ["ParamGather", "ScatterReducer", "shard_range", "signature"]
@@ -160,7 +161,7 @@ class ParamGather:
         bucket_bytes: int = 25 * 2**20,
         first_bucket_bytes: int = 2**20,
     ):
-        self.group, self.size, self.index = group, size, index
+        self._group, self.size, self.index = GroupRef(group), size, index
         self.buckets, self.columns = _layout(like, size, bucket_bytes, first_bucket_bytes)
         self.arena = None
         if size > 1 and all(b.device.type == "cpu" for b in self.buckets):
@@ -196,7 +197,7 @@ class ParamGather:
         else:
             for b in self.buckets:
                 block = _block(b, self.size)
-                _gather(block.view(-1), block[self.index].clone(), group=self.group)
+                _gather(block.view(-1), block[self.index].clone(), group=self._group.get())
                 sources.append(block)
         out = []
         for p, col in zip(params, self.columns):

@@ -31,7 +31,7 @@ def launch(*argv, timeout: float, env: dict | None = None):
     out = subprocess.run(
         [sys.executable, "-m", "pardist.launch", *map(str, argv)],
         cwd=ROOT,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},  # stacks on crashes
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -83,3 +83,28 @@ def test_meshes(run):
 def test_mesh_needs_init():
     with pytest.raises(RuntimeError, match=r"pardist.Mesh: the process group is not started"):
         pardist.Mesh({"gpu": 1})
+
+
+@pytest.mark.timeout(90)
+def test_shutdown_lets_the_process_group_go():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "shutdown.py"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: gloo threads after shutdown: 0" in out.stdout, out.stdout
