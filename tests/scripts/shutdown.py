@@ -6,24 +6,30 @@ buckets), a mesh and a checkpoint's imports alive across shutdown, then counts t
 """
 
 import os
-import sys
 import tempfile
 
 import torch
 
 import pardist
 
-pardist.init()
-step = pardist.data_parallel(lambda w, x: pardist.grad(lambda w, x: (x @ w).sum())(w, x))
-grads = step(torch.ones(3), torch.ones(2, 3))
-total = pardist.psum(torch.ones(1), "gpu")
-mesh = pardist.Mesh({"gpu": -1})
-pardist.checkpoint.save(tempfile.mkdtemp(), {"w": grads}, step=1)
-pardist.shutdown()
-threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-print(
-    f"rank {os.environ.get('RANK')}: gloo threads after shutdown: "
-    f"{sum('gloo' in name for name in threads)}",
-    flush=True,
-)
-sys.exit(0)
+
+def main() -> None:
+    pardist.init()
+    step = pardist.data_parallel(lambda w, x: pardist.grad(lambda w, x: (x @ w).sum())(w, x))
+    grads = step(torch.ones(3), torch.ones(2, 3))
+    held = [step, grads, pardist.psum(torch.ones(1), "gpu"), pardist.Mesh({"gpu": -1})]
+    pardist.checkpoint.save(tempfile.mkdtemp(), {"w": grads}, step=1)
+    pardist.shutdown()  # while everything above is still held
+    threads = [
+        open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")
+    ]
+    print(
+        f"rank {os.environ.get('RANK')}: gloo threads after shutdown: "
+        f"{sum('gloo' in name for name in threads)}",
+        flush=True,
+    )
+    assert len(held) == 4  # held until here
+
+
+if __name__ == "__main__":
+    main()
