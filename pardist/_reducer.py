@@ -12,9 +12,13 @@ faults that dwarf the reduction. A bucket whose storage is still referenced by a
 caller (who kept last step's gradients) is left to the caller and replaced, so
 reuse never changes a value anyone can see.
 
-For CPU ranks on one host the buckets live in shared memory (``_shm``) and are
-reduced there in place, with no copy in or out; where /dev/shm is short of room
-they are staged through a smaller shared region; elsewhere gloo or nccl reduce.
+For CPU ranks on one host the buckets live in shared memory (``_shm``): each
+rank writes its gradients into its own region, each sums its 1/N chunk of every
+rank's copy into one common result that all of them read, with no copy in or
+out. Those gradients are then one memory seen by every rank of the host, so an
+in-place change to them would change every rank's; pardist never makes one, and
+the next step raises if a caller did. Where /dev/shm is short of room buckets
+are staged through a smaller shared region; elsewhere gloo or nccl reduce.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class _Bucket:
         self.private: torch.Tensor | None = None
         self.comm: torch.Tensor | None = None
         self.shared = False  # this step's buffer is the bucket's shared-memory region
+        self.common_offset: int | None = None  # byte offset of its result in the common area
         self.pending = 0
         self.work = None
 
@@ -108,6 +113,8 @@ class Reducer:
         overlap: launch each bucket's all-reduce as soon as it is full.
     """
 
+    _common_result = True  # shared-memory buckets reduce into one result all ranks read
+
     def __init__(
         self,
         like: list[torch.Tensor],
@@ -150,9 +157,14 @@ class Reducer:
             for b in cpu:
                 b.arena_offset = offset
                 offset += -(-b.numel * b.dtype.itemsize // ALIGN) * ALIGN
-            self.arena = SharedMemoryGroup.create(group, offset)
+            # One common result, unless an outer axis must reduce it further in place.
+            common = self._common_result and len(self._groups) == 1
+            self.arena = SharedMemoryGroup.create(group, offset, offset if common else 0)
             if self.arena is not None:
+                for b in cpu:
+                    b.common_offset = b.arena_offset if common else None
                 self._idle_references = _references(self.arena._data)
+                self._version = self.arena._data._version  # after our own last write
                 return
             for b in cpu:
                 b.arena_offset = None
@@ -166,9 +178,7 @@ class Reducer:
         # Gradients handed out last time are views of the buckets: a caller who
         # still holds any keeps them, and this step reduces in fresh buffers. All
         # ranks must choose alike, or their collectives would not match.
-        shared = self.arena is not None and self.arena.agree(
-            _references(self.arena._data) <= self._idle_references
-        )
+        shared = self.arena is not None and self._may_reuse_arena()
         for bucket in self.buckets:
             bucket.shared = shared and bucket.arena_offset is not None
             if bucket.shared:
@@ -191,6 +201,24 @@ class Reducer:
         self._next = 0
         self._scale = self.divisor * micro_batches
         self._last = micro_batches == 1
+
+    def _may_reuse_arena(self) -> bool:
+        """Whether every rank may write the shared buckets again; raises if one was changed."""
+        common = any(b.common_offset is not None for b in self.buckets)
+        changed = common and self.arena._data._version != self._version
+        idle = _references(self.arena._data) <= self._idle_references
+        codes = self.arena.exchange(2 * changed + idle)
+        culprits = [k for k, code in enumerate(codes) if code & 2]
+        if culprits:
+            self._version = self.arena._data._version  # reported once, on every rank
+            raise RuntimeError(
+                f"pardist.grad: the gradients it returned were changed in place on group "
+                f"rank(s) {culprits} (an in-place op such as mul_ or clamp_, or a torch "
+                "optimizer stepping on them). Between CPU ranks of one host they are one "
+                "shared memory, so the change reached every rank. Transform gradients out "
+                "of place (as pardist.optim does), clone them first, or set PARDIST_SHM=0."
+            )
+        return all(code & 1 for code in codes)
 
     def last_micro_batch(self) -> None:
         """The next backward pass is the last: its gradients complete the buckets."""
@@ -225,6 +253,11 @@ class Reducer:
     def _launch(self, bucket: _Bucket) -> None:
         if not self._groups:
             return
+        if bucket.shared and bucket.common_offset is not None:
+            bucket.buffer = self.arena.reduce_into(
+                bucket.arena_offset, bucket.numel, bucket.dtype, bucket.common_offset
+            )
+            return
         if bucket.shared:
             self.arena.reduce_in_place(bucket.arena_offset, bucket.numel, bucket.dtype)
             return
@@ -247,7 +280,8 @@ class Reducer:
         for bucket in self.buckets:
             bucket.pending = 0
         self._launch_ready()
-        if self.arena is not None and self._groups and any(b.shared for b in self.buckets):
+        copied = [b for b in self.buckets if b.shared and b.common_offset is None]
+        if self.arena is not None and self._groups and copied:
             self.arena.barrier()  # every rank has copied out before regions are rewritten
         outer = self.groups[1:]  # outer axes, reduced after the inner one
         for bucket in self.buckets:
@@ -258,6 +292,8 @@ class Reducer:
                 dist.all_reduce(data, group=group)
             if bucket.comm is not None:
                 bucket.buffer.copy_(bucket.comm)
+        if self.arena is not None:
+            self._version = self.arena._data._version  # what callers change comes after
 
     def finish(self) -> list[torch.Tensor]:
         """Reduce whatever is left, wait, and return the averaged gradients."""

@@ -107,16 +107,19 @@ def _room(nbytes: int) -> bool:
 
 
 class SharedMemoryGroup:
-    """One ``region_bytes`` region per rank of ``group``, all mapped by every rank.
+    """One ``region_bytes`` region per rank of ``group``, all mapped by every rank,
+    and optionally a ``common_bytes`` area that belongs to no rank in particular.
 
     Create with :meth:`create`, which every rank of the group must call at the
     same point; it returns None where shared memory cannot be used.
     """
 
-    def __init__(self, region: torch.Tensor, index: int, size: int, region_bytes: int):
+    def __init__(
+        self, region: torch.Tensor, index: int, size: int, region_bytes: int, common_bytes: int
+    ):
         self.index, self.size, self.region_bytes = index, size, region_bytes
-        self._data = region[: size * region_bytes]
-        flags = region[size * region_bytes :]
+        self._data = region[: size * region_bytes + common_bytes]
+        flags = region[size * region_bytes + common_bytes :]
         self._flags = flags[: size * _FLAG_BYTES].view(torch.int64).numpy()
         wake = flags[size * _FLAG_BYTES : size * _FLAG_BYTES + 4].view(torch.int32)
         self._wake, self._wake_address = wake.numpy(), wake.data_ptr()
@@ -124,10 +127,13 @@ class SharedMemoryGroup:
         self.timeout = _runtime._timeout(None).total_seconds()
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup, region_bytes: int) -> SharedMemoryGroup | None:
+    def create(
+        cls, group: dist.ProcessGroup, region_bytes: int, common_bytes: int = 0
+    ) -> SharedMemoryGroup | None:
         size = dist.get_world_size(group)
         region_bytes = -(-region_bytes // ALIGN) * ALIGN
-        total = size * region_bytes + (size + 1) * _FLAG_BYTES
+        common_bytes = -(-common_bytes // ALIGN) * ALIGN
+        total = size * region_bytes + common_bytes + (size + 1) * _FLAG_BYTES
         enabled = (
             size > 1
             and platform.machine().lower() in ("x86_64", "amd64")
@@ -154,11 +160,16 @@ class SharedMemoryGroup:
         dist.barrier(group=group)
         if index == 0:
             os.unlink(path)  # the mappings stay; nothing is left behind in /dev/shm
-        return cls(region, index, size, region_bytes) if all(opened) else None
+        return cls(region, index, size, region_bytes, common_bytes) if all(opened) else None
 
     def view(self, rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at byte ``offset`` of ``rank``'s region."""
         start = rank * self.region_bytes + offset
+        return self._data[start : start + numel * dtype.itemsize].view(dtype)
+
+    def common(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` at byte ``offset`` of the common area."""
+        start = self.size * self.region_bytes + offset
         return self._data[start : start + numel * dtype.itemsize].view(dtype)
 
     def barrier(self) -> None:
@@ -188,12 +199,21 @@ class SharedMemoryGroup:
                 )
             _futex_wait(self._wake_address, word, min(0.1, self.timeout - waited + 1e-3))
 
+    def exchange(self, value: int) -> list[int]:
+        """Every rank's ``value`` (a small int), in group rank order (costs one barrier).
+
+        Two consecutive calls without a barrier between them could overwrite a
+        value a slow rank has yet to read, so every caller here is separated
+        from the next by a collective.
+        """
+        stride = _FLAG_BYTES // 8
+        self._flags[self.index * stride + 1] = int(value)
+        self.barrier()
+        return [int(self._flags[k * stride + 1]) for k in range(self.size)]
+
     def agree(self, flag: bool) -> bool:
         """True if ``flag`` is true on every rank of the group (costs one barrier)."""
-        stride = _FLAG_BYTES // 8
-        self._flags[self.index * stride + 1] = int(flag)
-        self.barrier()
-        return all(self._flags[k * stride + 1] for k in range(self.size))
+        return all(self.exchange(int(flag)))
 
     def reduce_in_place(
         self,
@@ -229,6 +249,26 @@ class SharedMemoryGroup:
         for k in range(n):
             if k != me or out is not None:
                 target[bounds[k] : bounds[k + 1]].copy_(regions[k][bounds[k] : bounds[k + 1]])
+
+    def reduce_into(self, offset: int, numel: int, dtype: torch.dtype, out_offset: int):
+        """The sum of the tensors at ``offset`` of every region, in the common area.
+
+        Each rank writes only its own 1/N chunk of the result at ``out_offset``,
+        and every rank then reads all of it: unlike :meth:`reduce_in_place`, no
+        chunk is copied back out. The regions may be rewritten when this returns;
+        the result only after the next call's first barrier, when every rank has
+        moved on (the caller makes sure nobody still reads it then).
+        """
+        n, me = self.size, self.index
+        lo, hi = numel * me // n, numel * (me + 1) // n
+        parts = [self.view(k, offset, numel, dtype)[lo:hi] for k in range(n)]
+        out = self.common(out_offset, numel, dtype)
+        self.barrier()
+        mine = torch.add(parts[0], parts[1], out=out[lo:hi])
+        for part in parts[2:]:  # the same order on every rank: identical results
+            mine.add_(part)
+        self.barrier()
+        return out
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         """Sum (or max) a contiguous CPU tensor over the group, in place, in region-sized passes."""

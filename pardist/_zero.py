@@ -92,6 +92,8 @@ def _unpack(src: torch.Tensor, col: _Column, out: torch.Tensor) -> None:
 class ScatterReducer(Reducer):
     """Like :class:`Reducer`, but each rank receives only its flat shard of every mean gradient."""
 
+    _common_result = False  # each shard stays in its owner's region, for its owner alone
+
     def __init__(
         self,
         like: list[torch.Tensor],

@@ -33,6 +33,28 @@ def test_all_reduce_in_passes_and_uneven_chunks(run, nprocs):
             assert torch.equal(t, torch.arange(n, dtype=torch.float64) * total)
 
 
+def _reduce_into(numels):
+    shm = SharedMemoryGroup.create(dist.group.WORLD, 1024, 1024)
+    out = []
+    for n in numels:
+        shm.view(shm.index, 0, n, torch.float64).copy_(torch.arange(n) * (shm.index + 1))
+        result = shm.reduce_into(0, n, torch.float64, 64)
+        out.append(
+            (result.clone(), result.data_ptr() == shm.common(64, n, torch.float64).data_ptr())
+        )
+    return out
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_reduce_into_one_common_result(run, nprocs):
+    numels = [1, 2, 5, 100]  # fewer elements than ranks, and not divisible
+    total = sum(range(1, nprocs + 1))
+    for results in run(nprocs, _reduce_into, numels):
+        for n, (t, in_common) in zip(numels, results):
+            assert in_common
+            assert torch.equal(t, torch.arange(n, dtype=torch.float64) * total)
+
+
 def _train(keep_on: int | None):
     """Two steps; rank ``keep_on`` holds step 1's gradients through step 2."""
     apply, params, _ = pardist.functional(helpers.mlp())
@@ -93,3 +115,30 @@ def test_a_rank_that_skips_times_out_with_a_clear_error(run):
     out = run(2, _skip_on_rank_1, env={"PARDIST_TIMEOUT": "3"})
     assert out[1] == "skipped"
     assert "shared-memory all-reduce waited 3 s for group rank(s) [1]" in out[0]
+
+
+def _change_in_place_on_rank_1():
+    apply, params, _ = pardist.functional(helpers.mlp())
+    step = pardist.data_parallel(
+        lambda p, b: pardist.grad(
+            lambda p, x, y: torch.nn.functional.cross_entropy(apply(p, {}, x)[0], y)
+        )(p, *b)
+    )
+    x, y = helpers.global_batch(0, "mlp")
+    batch = (helpers.shard(x, pardist.rank(), 2), helpers.shard(y, pardist.rank(), 2))
+    grads = step(params, batch)
+    if pardist.rank() == 1:
+        torch._foreach_mul_(list(grads.values()), 0.5)  # shared: it reaches rank 0's too
+    del grads
+    try:
+        step(params, batch)
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_gradients_changed_in_place_raise_on_every_rank(run):
+    for message in run(2, _change_in_place_on_rank_1):
+        assert "pardist.grad: the gradients it returned were changed in place" in message
+        assert "group rank(s) [1]" in message and "PARDIST_SHM=0" in message
+    # Through gloo each rank's gradients are its own, and changing them is allowed.
+    assert run(2, _change_in_place_on_rank_1, env={"PARDIST_SHM": "0"}) == [None, None]
