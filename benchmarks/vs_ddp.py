@@ -254,6 +254,8 @@ def main() -> None:
         rows += [{"model": m, "ranks": ranks, **got[m]} for m in args.models]
     print(table(rows))
     os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write(table(rows) + "\n")
     shm = os.environ.get("PARDIST_SHM", "1")
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump(
