@@ -55,14 +55,20 @@ def test_reduce_into_one_common_result(run, nprocs):
             assert torch.equal(t, torch.arange(n, dtype=torch.float64) * total)
 
 
-def _train(keep_on: int | None):
-    """Two steps; rank ``keep_on`` holds step 1's gradients through step 2."""
+def _grad_step():
+    """An MLP's parameters and a data-parallel step that returns their mean gradients."""
     apply, params, _ = pardist.functional(helpers.mlp())
     step = pardist.data_parallel(
         lambda p, b: pardist.grad(
             lambda p, x, y: torch.nn.functional.cross_entropy(apply(p, {}, x)[0], y)
         )(p, *b)
     )
+    return params, step
+
+
+def _train(keep_on: int | None):
+    """Two steps; rank ``keep_on`` holds step 1's gradients through step 2."""
+    params, step = _grad_step()
     r, kept, grads = pardist.rank(), None, []
     for s in range(2):
         x, y = helpers.global_batch(s, "mlp")
@@ -118,12 +124,7 @@ def test_a_rank_that_skips_times_out_with_a_clear_error(run):
 
 
 def _change_in_place_on_rank_1():
-    apply, params, _ = pardist.functional(helpers.mlp())
-    step = pardist.data_parallel(
-        lambda p, b: pardist.grad(
-            lambda p, x, y: torch.nn.functional.cross_entropy(apply(p, {}, x)[0], y)
-        )(p, *b)
-    )
+    params, step = _grad_step()
     x, y = helpers.global_batch(0, "mlp")
     batch = (helpers.shard(x, pardist.rank(), 2), helpers.shard(y, pardist.rank(), 2))
     grads = step(params, batch)
