@@ -202,14 +202,14 @@ class SharedMemoryGroup:
     def exchange(self, value: int) -> list[int]:
         """Every rank's ``value`` (a small int), in group rank order (costs one barrier).
 
-        Two consecutive calls without a barrier between them could overwrite a
-        value a slow rank has yet to read, so every caller here is separated
-        from the next by a collective.
+        Calls alternate between two slots, so a rank that hurries on to the next
+        call cannot overwrite a value a slower rank has yet to read: reaching the
+        slot again takes another barrier, which waits for the slow rank.
         """
-        stride = _FLAG_BYTES // 8
-        self._flags[self.index * stride + 1] = int(value)
+        stride, slot = _FLAG_BYTES // 8, 1 + self._seq % 2
+        self._flags[self.index * stride + slot] = int(value)
         self.barrier()
-        return [int(self._flags[k * stride + 1]) for k in range(self.size)]
+        return [int(self._flags[k * stride + slot]) for k in range(self.size)]
 
     def agree(self, flag: bool) -> bool:
         """True if ``flag`` is true on every rank of the group (costs one barrier)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import helpers
 import pytest
 import torch
@@ -55,6 +57,19 @@ def test_reduce_into_one_common_result(run, nprocs):
             assert torch.equal(t, torch.arange(n, dtype=torch.float64) * total)
 
 
+def _exchanges(rounds):
+    shm = SharedMemoryGroup.create(dist.group.WORLD, 64)
+    if shm.index == 1:  # slow to read what it was sent: the others hurry on to the next call
+        barrier = shm.barrier
+        shm.barrier = lambda: (barrier(), time.sleep(0.01))
+    return [shm.exchange(10 * i + shm.index) for i in range(rounds)]
+
+
+def test_back_to_back_exchanges_never_overwrite_an_unread_value(run):
+    for got in run(3, _exchanges, 6):
+        assert got == [[10 * i + k for k in range(3)] for i in range(6)]
+
+
 def _grad_step():
     """An MLP's parameters and a data-parallel step that returns their mean gradients."""
     apply, params, _ = pardist.functional(helpers.mlp())
@@ -74,11 +89,18 @@ def _train(keep_on: int | None):
         x, y = helpers.global_batch(s, "mlp")
         g = step(params, (helpers.shard(x, r, 2), helpers.shard(y, r, 2)))
         grads.append({k: v.clone() for k, v in g.items()})
+        reducer = next(iter(step.reducers.values()))
+        # Step 1's gradients are the one result every rank reads, not a copy of it.
+        if s == 0 and reducer.arena is not None:
+            arena = reducer.arena
+            common = arena._data.data_ptr() + arena.size * arena.region_bytes
+            end = arena._data.data_ptr() + arena._data.numel()
+            in_common = all(common <= v.data_ptr() < end for v in g.values())
         if r == keep_on:
             kept = g
         del g
-    reducer = next(iter(step.reducers.values()))
-    return grads, kept is not None, reducer.arena is not None, reducer.staging is not None
+    shared = reducer.arena is not None and in_common
+    return grads, kept is not None, shared, reducer.staging is not None
 
 
 def test_reducer_keeps_buckets_in_shared_memory(run):
