@@ -30,12 +30,15 @@ from pardist._runtime import (
 from pardist._seed import rank_seed, seed_everything, seed_worker
 from pardist._spawn import SpawnError, spawn
 from pardist._specs import P, specs
+from pardist._warnings import DuplicateBatchWarning, NonFiniteLossWarning
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CrossReplicaBatchNorm",
+    "DuplicateBatchWarning",
     "Mesh",
+    "NonFiniteLossWarning",
     "P",
     "SpawnError",
     "all_gather",

@@ -48,6 +48,10 @@ class StepContext:
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
+    inputs: set[int] = dataclasses.field(default_factory=set)  # ids of every input leaf
+    # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
+    # pardist.grad does not report them.
+    loss_scaled: bool = False
 
 
 _active: list[StepContext] = []

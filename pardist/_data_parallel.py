@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist import _collectives, _mesh, _replication, _specs, _tree
+from pardist import _batchcheck, _collectives, _mesh, _replication, _specs, _tree
 from pardist._context import StepContext, debug_enabled, entered
 from pardist._specs import P
 from pardist.optim._sharded import ShardedState
@@ -86,9 +86,16 @@ class _Step:
                 tuple(specs), args, where=self.where, specs_name="in_specs", tree_name="args"
             )
             for (path, leaf), spec in zip(_tree.leaves_with_paths(args, "args"), flat):
-                _specs.check_fits(
-                    spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
-                )
+                try:
+                    _specs.check_fits(
+                        spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
+                    )
+                except (TypeError, ValueError) as e:
+                    if self.in_specs is not None:
+                        raise
+                    raise _batchcheck.default_misfit(
+                        self.where, self.fn, e, path, leaf, len(args), axes
+                    ) from None
             # A sharded optimizer state over this axis: its parameters' gradients are
             # reduce-scattered (its signature is static, part of the tree structure).
             nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
@@ -126,7 +133,15 @@ class _Step:
                     "(seed before creating the model: pardist.seed_everything(0)), or copy "
                     "rank 0's values with pardist.broadcast(tree); if the input is a per-rank "
                     "shard, give it a sharded spec such as P('gpu') in in_specs."
+                    + (
+                        " " + " ".join(_batchcheck.default_specs(self.fn, len(args), axes))
+                        if self.in_specs is None
+                        else ""
+                    )
                 )
+            _batchcheck.check_distinct(
+                self.where, self.fn, named, specs, sharded, axes, group, debug_enabled()
+            )
         donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
         ctx = StepContext(
             name=self.where,
@@ -135,6 +150,7 @@ class _Step:
             size=mesh.size(axes),
             varying={id(leaves[i]) for i in sharded}
             | {id(x) for x in leaves if isinstance(x, DTensor)},
+            inputs={id(x) for x in leaves},
             scatter=scatter,
             donated=donated,
             reducers=self.reducers,

@@ -1,8 +1,16 @@
-"""Micro-batches for gradient accumulation: split the batch, stack what comes back.
+"""Micro-batches for gradient accumulation: which tensors hold the batch, and what comes back.
 
 ``pardist.grad(f, accumulate=k)`` runs ``f`` on k slices of the batch, one after
 another, and reduces once (DDP's ``no_sync`` and fastai's gradient accumulation,
-done in one place). The batch is split along dim 0 with einops.
+done in one place). Inside a data-parallel step the batch is every tensor that
+holds this rank's shard of the step's inputs (by the step's specs), in whichever
+arguments of ``f`` it sits; outside a step it is the one argument that is not
+differentiated. Each is split along dim 0 with einops.
+
+What comes back is what one process running the k micro-batches in sequence
+returns. An aux output named by ``carry`` is the next value of that argument
+(batch-norm buffers): micro-batch j+1 receives micro-batch j's, and the last is
+returned. Other aux outputs are stacked, one entry per micro-batch.
 """
 
 from __future__ import annotations
@@ -11,45 +19,210 @@ from typing import Any
 
 import einops
 import torch
+from torch.distributed.tensor import DTensor
 
 from pardist import _tree
 
-__all__ = ["split", "stack"]
+__all__ = ["UNSET", "batch_masks", "check_carry", "concat", "rows", "split", "stack"]
+
+UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()  # carry not given
+
+Masks = list  # per positional argument: None, or one bool per leaf (True: a batch leaf)
 
 
-def split(args: tuple, batch_argnums: tuple[int, ...], k: int, where: str) -> list[tuple]:
-    """Split the batch arguments along dim 0 into ``k`` micro-batches (einops)."""
+def _leaves(tree: Any) -> list:
+    return _tree.tree_flatten(tree)[0]
+
+
+def _is_batchable(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0
+
+
+def batch_masks(
+    args: tuple, nums: tuple[int, ...], batch_argnums: Any, ctx: Any, where: str, strict: bool
+) -> Masks:
+    """Which leaves of ``args`` are the batch.
+
+    ``strict``: the answer matters (``accumulate > 1`` or a row-weighted mean), so
+    an argument pardist cannot place is an error instead of a guess.
+    """
+    if batch_argnums is not None:
+        chosen = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+        if not all(isinstance(n, int) and -len(args) <= n < len(args) for n in chosen):
+            raise ValueError(
+                f"{where}: batch_argnums={batch_argnums!r} does not name arguments of a "
+                f"call with {len(args)} positional arguments."
+            )
+        chosen = {n % len(args) for n in chosen}
+        return [
+            [_is_batchable(x) for x in _leaves(a)] if i in chosen else None
+            for i, a in enumerate(args)
+        ]
+    if ctx is None:  # no specs to go by: the one argument that is not differentiated
+        rest = [i for i in range(len(args)) if i not in nums]
+        if strict and not rest:
+            raise ValueError(
+                f"{where}: accumulate splits the batch into micro-batches, but every "
+                "argument is differentiated (argnums), so none holds a batch. Pass the batch "
+                "as an argument of its own."
+            )
+        if strict and len(rest) > 1:
+            raise ValueError(
+                f"{where}: outside a data_parallel step pardist cannot tell which of "
+                f"args{rest} hold the batch to split into micro-batches; name them, e.g. "
+                f"batch_argnums={tuple(rest)}."
+            )
+        return [
+            [_is_batchable(x) for x in _leaves(a)] if rest == [i] else None
+            for i, a in enumerate(args)
+        ]
+    masks: Masks = []
+    for a in args:
+        flags = [_is_batchable(x) and id(x) in ctx.varying for x in _leaves(a)]
+        masks.append(flags if any(flags) else None)
+    if strict:
+        _check_placed(args, nums, masks, ctx, where)
+    return masks
+
+
+def _check_placed(args: tuple, nums: tuple, masks: Masks, ctx: Any, where: str) -> None:
+    """Refuse to guess: a tensor made inside the step may be a transformed batch."""
+    found = {x.shape[0] for a, m in zip(args, masks) if m for x, flag in zip(_leaves(a), m) if flag}
+    if not found:
+        raise ValueError(
+            f"{where}: none of the arguments holds this rank's shard of the step's batch "
+            "(the tensors the step received under a sharded in_spec), so there is nothing "
+            "to split into micro-batches or count rows of. Pass the batch to the function "
+            "as the step received it, or name the arguments that hold it with "
+            "batch_argnums=(...)."
+        )
+    for i, a in enumerate(args):
+        if i in nums:
+            continue
+        flags = masks[i] or [False] * len(_leaves(a))
+        for (path, x), flag in zip(_tree.leaves_with_paths(a, f"args[{i}]"), flags):
+            if not flag and _is_batchable(x) and id(x) not in ctx.inputs and x.shape[0] in found:
+                named = tuple(sorted([j for j, m in enumerate(masks) if m] + [i]))
+                raise ValueError(
+                    f"{where}: {path} (shape {tuple(x.shape)}) was computed inside the step "
+                    "and has as many rows as the batch, so pardist cannot tell whether it "
+                    "is part of the batch (the step's sharded inputs are split into "
+                    "micro-batches and counted; tensors computed from them are not "
+                    "recognised). Name every batch argument, e.g. batch_argnums="
+                    f"{named}, or pass the batch "
+                    "as the step received it and transform it inside the function."
+                )
+
+
+def rows(args: tuple, masks: Masks) -> dict[str, int]:
+    """The dim-0 size of every batch leaf, by path."""
+    out = {}
+    for i, (a, m) in enumerate(zip(args, masks)):
+        if m:
+            for (path, x), flag in zip(_tree.leaves_with_paths(a, f"args[{i}]"), m):
+                if flag:
+                    out[path] = x.shape[0]
+    return out
+
+
+def split(args: tuple, masks: Masks, k: int, where: str) -> list[tuple]:
+    """The ``k`` micro-batches: every batch leaf split along dim 0 (einops), the rest as is."""
     if k == 1:
         return [args]
-    split = list(args)
-    for n in batch_argnums:
-        for path, leaf in _tree.leaves_with_paths(args[n], f"args[{n}]"):
-            if isinstance(leaf, torch.Tensor) and leaf.ndim and leaf.shape[0] % k:
+    pieces: list = [[a] * k for a in args]
+    for i, (a, m) in enumerate(zip(args, masks)):
+        if not m:
+            continue
+        named = _tree.leaves_with_paths(a, f"args[{i}]")
+        columns = []
+        for (path, x), flag in zip(named, m):
+            if not flag:
+                columns.append([x] * k)
+                continue
+            if x.shape[0] % k:
+                good = -(-x.shape[0] // k) * k
                 raise ValueError(
                     f"{where}: accumulate={k} cannot split {path} of shape "
-                    f"{tuple(leaf.shape)} into equal micro-batches along dim 0; use a batch "
-                    f"size divisible by {k}."
+                    f"{tuple(x.shape)} into {k} equal micro-batches: its dim 0 has "
+                    f"{x.shape[0]} rows, not a multiple of {k}. Use a per-rank batch size "
+                    f"divisible by {k} (e.g. {good}), or another accumulate."
                 )
-        split[n] = _tree.tree_map(
-            lambda x: (
-                einops.rearrange(x, "(k b) ... -> k b ...", k=k)
-                if isinstance(x, torch.Tensor) and x.ndim
-                else x
-            ),
-            args[n],
-        )
-    return [
-        tuple(
-            _tree.tree_map(lambda x, j=j: x[j] if isinstance(x, torch.Tensor) and x.ndim else x, a)
-            if i in batch_argnums
-            else a
-            for i, a in enumerate(split)
-        )
-        for j in range(k)
+            columns.append(list(einops.rearrange(x, "(k b) ... -> k b ...", k=k).unbind(0)))
+        treedef = _tree.tree_flatten(a)[1]
+        pieces[i] = [_tree.tree_unflatten([c[j] for c in columns], treedef) for j in range(k)]
+    return [tuple(p[j] for p in pieces) for j in range(k)]
+
+
+def _layout(tree: Any) -> tuple:
+    leaves, treedef = _tree.tree_flatten(tree)
+    return treedef, [
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x) for x in leaves
     ]
 
 
+def check_carry(
+    carry: Any, args: tuple, nums: tuple, masks: Masks, has_aux: bool, where: str
+) -> int | None:
+    """``carry`` as an argument index (or None), checked against the call."""
+    if carry is UNSET or carry is None:
+        return None
+    if not has_aux:
+        raise ValueError(
+            f"{where}: carry={carry!r} threads f's aux output into the next micro-batch, "
+            "but has_aux is False. Return (value, aux) and pass has_aux=True."
+        )
+    if not (isinstance(carry, int) and -len(args) <= carry < len(args)):
+        raise ValueError(
+            f"{where}: carry={carry!r} does not name an argument of a call with "
+            f"{len(args)} positional arguments."
+        )
+    carry %= len(args)
+    if carry in nums or masks[carry]:
+        role = "differentiated (argnums)" if carry in nums else "split into micro-batches"
+        raise ValueError(
+            f"{where}: carry={carry} names args[{carry}], which is {role}; carry names "
+            "the argument whose next value f returns as aux (the batch-norm buffers)."
+        )
+    return carry
+
+
+def after_micro_batch(
+    aux: Any, carry: Any, args: tuple, nums: tuple, masks: Masks, accumulate: int, where: str
+) -> None:
+    """Check aux after the first micro-batch: it must fit ``carry``, or carry must be said."""
+    if carry is UNSET or carry is None:
+        if carry is UNSET and accumulate > 1 and aux is not None:
+            mine = _layout(aux)
+            for i, a in enumerate(args):
+                if i not in nums and not masks[i] and _tree.tree_leaves(a) and _layout(a) == mine:
+                    raise ValueError(
+                        f"{where}: with accumulate={accumulate}, f's aux has the tree, shapes "
+                        f"and dtypes of args[{i}]. If it is args[{i}]'s next value (the "
+                        f"batch-norm buffers that apply returns), pass carry={i}: each "
+                        "micro-batch then starts from the previous one's, and the last is "
+                        "returned, as a plain accumulation loop would. Pass carry=None to get "
+                        f"each micro-batch's aux stacked along a new dim 0 of size {accumulate}."
+                    )
+        return
+    if _layout(aux) != _layout(args[carry]):
+        raise ValueError(
+            f"{where}: carry={carry} makes f's aux the next value of args[{carry}], so it must "
+            f"have args[{carry}]'s tree, shapes and dtypes, but args[{carry}] has "
+            f"{_describe(args[carry])} and aux has {_describe(aux)}."
+        )
+
+
+def _describe(tree: Any) -> str:
+    named = _tree.leaves_with_paths(tree)
+    shown = ", ".join(
+        f"{p or 'leaf'} {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+        for p, x in named[:4]
+    )
+    return f"{len(named)} leaves ({shown}{', ...' if len(named) > 4 else ''})"
+
+
 def stack(items: list[Any]) -> Any:
+    """Per-micro-batch outputs, each leaf stacked along a new dim 0."""
     if len(items) == 1 or items[0] is None:
         return items[0]
     flat = [_tree.tree_flatten(item)[0] for item in items]
@@ -59,3 +232,15 @@ def stack(items: list[Any]) -> Any:
         for column in zip(*flat)
     ]
     return _tree.tree_unflatten(leaves, spec)
+
+
+def concat(parts: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+    """A split input's gradient: its micro-batches' gradients in order, over the k of them.
+
+    The whole batch's mean loss is the mean of the micro-batches' losses, so each
+    slice's gradient is its micro-batch's over k.
+    """
+    k = len(parts)
+    rows = like.shape[0] // k
+    pieces = [p if p is not None else like.new_zeros((rows, *like.shape[1:])) for p in parts]
+    return torch.cat(pieces) / k

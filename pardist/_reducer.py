@@ -171,8 +171,12 @@ class Reducer:
         largest = max(b.numel * (b.comm_dtype or b.dtype).itemsize for b in cpu)
         self.staging = SharedMemoryGroup.create(group, largest)
 
-    def begin(self, micro_batches: int = 1) -> None:
-        """Start one gradient computation of ``micro_batches`` backward passes."""
+    def begin(self, micro_batches: int = 1, divisor: float | None = None) -> None:
+        """Start one gradient computation of ``micro_batches`` backward passes.
+
+        ``divisor`` replaces the number of ranks for this rank's contributions (a
+        row-weighted mean divides by total rows / this rank's rows).
+        """
         for bucket in self.buckets:
             bucket.buffer = None  # our own views must not count as a caller's
         # Gradients handed out last time are views of the buckets: a caller who
@@ -199,7 +203,7 @@ class Reducer:
             bucket.work = None
         self._written = [False] * len(self.slots)
         self._next = 0
-        self._scale = self.divisor * micro_batches
+        self._scale = (self.divisor if divisor is None else divisor) * micro_batches
         self._last = micro_batches == 1
 
     def _may_reuse_arena(self) -> bool:
@@ -229,13 +233,17 @@ class Reducer:
         flat = self.buckets[slot.bucket].buffer
         return flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
-    def add(self, i: int, grad: torch.Tensor) -> None:
-        """Contribute the local gradient of tensor ``i`` (called from the backward)."""
+    def add(self, i: int, grad: torch.Tensor, divisor: float | None = None) -> None:
+        """Contribute the local gradient of tensor ``i`` (called from the backward).
+
+        ``divisor`` (1 for values that must arrive exact) replaces the usual one.
+        """
         view = self._view(i)
+        scale = self._scale if divisor is None else divisor
         if self._written[i]:
-            view.add_(grad.reshape(view.shape), alpha=1.0 / self._scale)
+            view.add_(grad.reshape(view.shape), alpha=1.0 / scale)
         else:
-            torch.div(grad.reshape(view.shape), self._scale, out=view)
+            torch.div(grad.reshape(view.shape), scale, out=view)
             self._written[i] = True
         if self._last:
             bucket = self.buckets[self.slots[i].bucket]
