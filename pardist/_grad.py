@@ -36,27 +36,33 @@ _MEANS = ("ranks", "rows")
 class _MeanGrad(torch.autograd.Function):
     """Identity forward; the backward is a differentiable mean over the groups.
 
-    ``pre``: divide each rank's cotangent by its own divisor before the sum (a
-    row-weighted mean), instead of the sum by the number of ranks.
+    ``divisor`` (a row-weighted mean: total rows / this rank's rows) divides each
+    rank's cotangent before the sum instead. It is differentiated as the plain
+    mean, as every weighted reduction here is: the weights enter once, where
+    first-order gradients are reduced, not again in an outer transform.
     """
 
     @staticmethod
-    def forward(x, groups, size, pre):
+    def forward(x, groups, size, divisor):
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.groups, ctx.size, ctx.pre = inputs[1], inputs[2], inputs[3]
+        ctx.groups, ctx.size, ctx.divisor = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.pre:
-            return _collectives._Psum.apply(g / ctx.size, ctx.groups), None, None, None
-        return _collectives._Psum.apply(g, ctx.groups) / ctx.size, None, None, None
+        if ctx.divisor == math.inf:  # a rank without rows: no weight (nor its nan gradient)
+            g = torch.zeros_like(g)
+        plain = _collectives._Psum.apply(g, ctx.groups) / ctx.size
+        if ctx.divisor is not None:
+            weighted = _collectives._Psum.apply(g.detach() / ctx.divisor, ctx.groups)
+            plain = plain + (weighted - plain).detach()
+        return plain, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, groups, size, pre):
-        return _MeanGrad.apply(x, groups, size, pre), in_dims[0]
+    def vmap(info, in_dims, x, groups, size, divisor):
+        return _MeanGrad.apply(x, groups, size, divisor), in_dims[0]
 
 
 def _argnums_tuple(argnums: int | tuple[int, ...], nargs: int, where: str) -> tuple[int, ...]:
@@ -173,10 +179,10 @@ def _compute_functorch(call: Call, ctx, leaves: list):
     through it), so it is averaged by a differentiable collective.
     """
     groups = ctx.mesh.groups(ctx.axis) if ctx is not None else []
-    size, pre, total = (ctx.size if ctx is not None else 1), False, 0
+    divisor, total = None, 0
     if groups and call.mean == "rows":
         total = _perrank.total_rows(call.rows, ctx)
-        size, pre = (total / call.rows if call.rows > 0 else math.inf), True
+        divisor = total / call.rows if call.rows > 0 else math.inf
     flags = iter(call.replicated)
     marks = {n: _tree.tree_map(lambda _: next(flags), call.args[n]) for n in call.nums}
 
@@ -185,7 +191,7 @@ def _compute_functorch(call: Call, ctx, leaves: list):
         if groups:
             for n in call.nums:
                 args[n] = _tree.tree_map(
-                    lambda x, r: _MeanGrad.apply(x, groups, size, pre) if r else x,
+                    lambda x, r: _MeanGrad.apply(x, groups, ctx.size, divisor) if r else x,
                     args[n],
                     marks[n],
                 )
@@ -207,9 +213,13 @@ def _compute_functorch(call: Call, ctx, leaves: list):
     parts = [list(column) for column in zip(*grads)]
     value = torch.stack(values).mean() if k > 1 else values[0]
     if groups and call.need_value and call.mean == "rows":
-        # An empty shard adds nothing (not its nan mean).
-        mine = value * call.rows if call.rows > 0 else value.new_zeros(())
-        value = _collectives._Psum.apply(mine, groups) / total
+        # The row-weighted value, differentiated as the mean over ranks: the marks on
+        # the replicated inputs (_MeanGrad) already weigh each rank by its rows, and an
+        # outer transform must not weigh them twice. An empty shard adds nothing.
+        mine = value if call.rows > 0 else value.new_zeros(())
+        plain = _collectives._Psum.apply(mine, groups) / ctx.size
+        weighted = _collectives._Psum.apply(mine.detach() * max(call.rows, 0), groups) / total
+        value = plain + (weighted - plain).detach()
     elif groups and call.need_value:
         value = _collectives._Psum.apply(value, groups) / ctx.size
     return value, call.aux(auxes), call.combine(local, parts, leaves)

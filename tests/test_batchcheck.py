@@ -22,10 +22,8 @@ def _first_call(make_batch, in_specs=None, calls: int = 1):
     apply, params, _ = pardist.functional(helpers.mlp())
 
     def train_step(params, opt_state, batch):
-        grads = pardist.grad(lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0], y))(
-            params, *batch
-        )
-        return params, opt_state
+        grads = pardist.grad(lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0], y))(params, *batch)
+        return grads, opt_state
 
     step = pardist.data_parallel(train_step, in_specs=in_specs)
     warned, raised = [], []

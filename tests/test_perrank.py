@@ -44,7 +44,7 @@ def test_the_loss_keeps_full_precision_under_compression(run, compression):
     for loss, uncompressed in zip(run(2, _compressed_loss, compression), full):
         assert loss.dtype == torch.float32
         assert torch.equal(loss, uncompressed)  # not rounded to the wire's 8 or 11 bits
-        assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
 def _nonfinite(scaled: bool):
@@ -177,3 +177,25 @@ def test_default_mean_over_ranks_is_ddps_and_equal_shards_give_the_same_bits(run
 def test_mean_option_errors(world1):
     with pytest.raises(ValueError, match=r"mean='tokens'; use 'ranks' .* or 'rows'"):
         pardist.grad(lambda w: w.sum(), mean="tokens")
+
+
+def _cubic(w, x):
+    return (x @ w).pow(3).mean()
+
+
+def _nested_rows():
+    counts, r = (3, 1), pardist.rank()
+    x = torch.arange(8.0).reshape(4, 2) / 8
+    mine = x[sum(counts[:r]) : sum(counts[: r + 1])]
+    inner = lambda w, x: pardist.grad(_cubic, mean="rows")(w, x).sum()  # noqa: E731
+    step = pardist.data_parallel(lambda w, x: pardist.value_and_grad(inner)(w, x))
+    return step(torch.tensor([0.5, -1.0]), mine)
+
+
+def test_row_weighted_mean_nested_in_another_gradient(run):
+    # The inner mean is differentiated once more: rows must be weighed once, not twice.
+    w, x = torch.tensor([0.5, -1.0]), torch.arange(8.0).reshape(4, 2) / 8
+    outer = lambda w: torch.func.grad(_cubic)(w, x).sum()  # noqa: E731
+    for value, g in run(2, _nested_rows):
+        torch.testing.assert_close(value, outer(w))
+        torch.testing.assert_close(g, torch.func.grad(outer)(w))
