@@ -27,27 +27,40 @@ __all__ = ["Call", "compute", "split_value"]
 
 
 class Call:
-    """One call of a gradient function: what is differentiated, what is the batch."""
+    """One call of a gradient function: what is differentiated, what is the batch.
 
-    def __init__(
-        self, f, nums, has_aux, accumulate, mean, args, kwargs, where, masks, carry, split,
-        replicated, *, rows: int, need_value: bool, carry_option: Any,
-    ):  # fmt: skip
+    ``flat``: every argument's ``(leaves, treedef)``; ``masks``: which leaves are the
+    batch; ``split``, ``replicated``: per differentiated leaf; ``rows``: this rank's
+    batch rows (-1 if unknown).
+    """
+
+    split: list
+    replicated: list
+    carry_option: Any
+    rows: int = -1
+    need_value: bool = False
+
+    def __init__(self, f, nums, has_aux, accumulate, mean, args, kwargs, where, flat, masks, carry):
         self.f, self.nums, self.has_aux, self.args, self.kwargs = f, nums, has_aux, args, kwargs
         self.accumulate, self.mean, self.where = accumulate, mean, where
-        self.masks, self.carry, self.carry_option = masks, carry, carry_option
-        self.split, self.replicated = split, replicated
-        self.rows, self.need_value = rows, need_value
+        self.flat, self.masks, self.carry = flat, masks, carry
         self._aux: Any = None
 
     def micro_batches(self):
-        """``(j, args)`` per micro-batch; a carried aux (see :meth:`took`) goes into the next."""
-        for j, margs in enumerate(
-            _microbatch.split(self.args, self.masks, self.accumulate, self.where)
+        """``(j, args, leaves of each argument)`` per micro-batch; a carried aux (see
+        :meth:`took`) goes into the next."""
+        if self.accumulate == 1:
+            yield 0, self.args, [leaves for leaves, _ in self.flat]
+            return
+        for j, leaves in enumerate(
+            _microbatch.split(self.flat, self.masks, self.accumulate, self.where)
         ):
+            margs = [
+                _tree.tree_unflatten(part, treedef) for part, (_, treedef) in zip(leaves, self.flat)
+            ]
             if self.carry is not None and j > 0:
-                margs = (*margs[: self.carry], self._aux, *margs[self.carry + 1 :])
-            yield j, margs
+                margs[self.carry] = self._aux
+            yield j, tuple(margs), leaves
 
     def took(self, j: int, aux: Any) -> None:
         """Micro-batch ``j`` returned ``aux``."""
@@ -73,6 +86,15 @@ class Call:
             else:
                 out.append(local[i] / k if k > 1 else local[i])
         return out
+
+    def with_inputs(self, margs: tuple, inputs: list) -> list:
+        """The arguments of one micro-batch, with ``inputs`` as the differentiated leaves."""
+        call, start = list(margs), 0
+        for n in self.nums:
+            part, treedef = self.flat[n]
+            call[n] = _tree.tree_unflatten(inputs[start : start + len(part)], treedef)
+            start += len(part)
+        return call
 
 
 def split_value(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
@@ -161,8 +183,8 @@ class _HandOver:
             self.reducer, self.carry, self.base = _scatter_reducer(self.ctx, rep), 0, 0
         else:
             self.carry = 1 if rep else 0
-            shape, dtype = (self.ctx.size, self.table.width), rep[0].dtype if rep else None
-            table = [torch.empty(shape, dtype=dtype, device=rep[0].device)] if rep else []
+            table = [torch.empty(self.table.numel, dtype=rep[0].dtype, device=rep[0].device)]
+            table = table if rep else []
             like = table + list(pending) + rep
             self.reducer = _reducer(self.ctx, like) if reduce else Reducer(like, [], 1)
             self.base = self.carry + len(pending)
@@ -188,27 +210,14 @@ def _rows_divisor(ctx: StepContext, rep: list, rows: int, exact: bool) -> float:
     return total / rows if rows > 0 else math.inf
 
 
-def _correction(ctx: StepContext, hand: _HandOver, counts: list[int]) -> float:
+def _correction(ctx: StepContext, hand: _HandOver, counts: list[int] | None) -> float:
     """The factor for gradients pre-scaled by a total that turned out to be wrong."""
-    if hand.divisor is None or not hand.carry:
+    if hand.divisor is None or not hand.carry or counts is None:
         return 1.0
     key = ("rows total", signature(hand.rep), ctx.axis)
     assumed, actual = ctx.reducers[key], sum(c for c in counts if c > 0)
     ctx.reducers[key] = actual
     return assumed / actual if actual and actual != assumed else 1.0
-
-
-def _diff_leaves(margs: tuple, nums: tuple) -> list:
-    return [leaf for n in nums for leaf in _tree.tree_flatten(margs[n])[0]]
-
-
-def _with_inputs(margs: tuple, nums: tuple, inputs: list) -> list:
-    call, start = list(margs), 0
-    for n in nums:
-        part, treedef = _tree.tree_flatten(margs[n])
-        call[n] = _tree.tree_unflatten(inputs[start : start + len(part)], treedef)
-        start += len(part)
-    return call
 
 
 def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
@@ -231,17 +240,17 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     local: list = [None] * len(leaves)
     parts: list = [[None] * k for _ in leaves]
     values, auxes = [], []
-    for j, margs in call.micro_batches():
+    for j, margs, mleaves in call.micro_batches():
         if hand.reducer is not None and j == k - 1:
             hand.reducer.last_micro_batch()
-        inputs = [t.detach().requires_grad_() for t in _diff_leaves(margs, call.nums)]
+        inputs = [t.detach().requires_grad_() for n in call.nums for t in mleaves[n]]
         for i, x in enumerate(inputs):
             if replicated[i] and (reduce or k > 1):
                 # The reducer takes each gradient the moment autograd produces it.
                 x.register_hook(functools.partial(hand, rep_index[i]))
         mark = len(ctx.pending_means)
         with torch.enable_grad():
-            out = call.f(*_with_inputs(margs, call.nums, inputs), **call.kwargs)
+            out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
         value, aux = split_value(out, call.has_aux, call.where)
         if late:
             pending = ctx.pending_means[mark:]
@@ -285,15 +294,21 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
 
 
 def _value(call: Call, ctx: StepContext, hand: _HandOver, reduced: list, values: list):
-    """The global loss (reported if not finite) and every rank's row count."""
+    """The global loss (reported if not finite) and every rank's row count (or None)."""
     mine = values[0] if len(values) == 1 else torch.stack(values).mean()
     if hand.carry:
         everyone, counts = hand.table.decode(reduced[0])
     elif ctx.size > 1 and call.need_value:
         everyone, counts = _perrank.exchange(mine, call.rows, ctx)  # what a pmean costs
     elif ctx.size > 1:
-        return mine, []  # pardist.grad with nothing carried: no value to give
-    else:
-        everyone, counts = mine.double().reshape(1), [call.rows]
-    _perrank.report(everyone, counts, call.mean, ctx, call.where)
+        return mine, None  # pardist.grad with nothing carried: no value to give
+    else:  # one rank: its own loss
+        if _perrank.checked(mine, ctx) and not math.isfinite(mine.item()):
+            _perrank.report(mine.double().reshape(1), [call.rows], call.mean, ctx, call.where)
+        return mine, [call.rows]
+    check = _perrank.checked(everyone, ctx)
+    need = check or call.mean == "rows"
+    counts = counts.tolist() if need else None
+    if check:
+        _perrank.report(everyone, counts, call.mean, ctx, call.where)
     return _perrank.global_value(everyone, counts, call.mean, mine.dtype), counts

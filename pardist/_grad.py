@@ -85,10 +85,10 @@ def _check_options(accumulate: int, mean: str, where: str) -> None:
         )
 
 
-def _rows(args: tuple, masks: list, weighted: bool, where: str) -> int:
+def _rows(flat: list, masks: list, weighted: bool, where: str) -> int:
     """This rank's number of batch rows (-1 where the batch leaves disagree)."""
-    sizes = _microbatch.rows(args, masks)
-    if len(set(sizes.values())) == 1:
+    sizes = _microbatch.rows(flat, masks)
+    if len(sizes) == 1:
         return next(iter(sizes.values()))
     if weighted:
         shown = ", ".join(f"{path} has {n}" for path, n in sizes.items())
@@ -113,60 +113,44 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     ctx = current_step()
     k, mean = options["accumulate"], options["mean"]
     weighted = mean == "rows" and ctx is not None and ctx.size > 1
+    flat = [_tree.tree_flatten(a) for a in args]
     masks = _microbatch.batch_masks(
-        args, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted
+        flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted
     )
-    carry = _microbatch.check_carry(options["carry"], args, nums, masks, has_aux, where)
-    flat, treedefs = [], []
+    carry = _microbatch.check_carry(options["carry"], len(args), nums, masks, has_aux, where)
     for n in nums:
-        part, treedef = _tree.tree_flatten(args[n])
-        if not all(isinstance(t, torch.Tensor) for t in part):
+        if not all(isinstance(t, torch.Tensor) for t in flat[n][0]):
             _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
-        flat.append(part)
-        treedefs.append(treedef)
-    leaves = [leaf for part in flat for leaf in part]
+    leaves = [leaf for n in nums for leaf in flat[n][0]]
     if not all(t.is_floating_point() or t.is_complex() for t in leaves):
-        for n, part in zip(nums, flat):
-            for (path, _), leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), part):
+        for n in nums:
+            for (path, _), leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), flat[n][0]):
                 if not (leaf.is_floating_point() or leaf.is_complex()):
                     raise TypeError(
                         f"{where}: {path} has dtype {leaf.dtype}; only "
                         "floating-point tensors can be differentiated."
                     )
-    split = [f for n, part in zip(nums, flat) for f in (masks[n] or [False] * len(part))]
+    split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
     replicated = [ctx is not None and id(t) not in ctx.varying for t in leaves]
     if any(s and r for s, r in zip(split, replicated)):
         raise ValueError(
             f"{where}: batch_argnums names a differentiated input that is replicated over "
             "the step's axis; only this rank's shard of the batch can be split."
         )
-    call = Call(
-        f,
-        nums,
-        has_aux,
-        k,
-        mean,
-        args,
-        kwargs,
-        where,
-        masks,
-        carry,
-        split,
-        replicated,
-        rows=_rows(args, masks, weighted, where) if ctx is not None else -1,
-        need_value=options["need_value"],
-        carry_option=options["carry"],
-    )
+    call = Call(f, nums, has_aux, k, mean, args, kwargs, where, flat, masks, carry)
+    call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
+    call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
+    call.need_value = options["need_value"]
     if ctx is None or _in_transform(leaves):
         value, aux, grads = _compute_functorch(call, ctx, leaves)
     else:
         value, aux, grads = _bucketed.compute(call, ctx, leaves)
-    return value, aux, _regroup(grads, flat, treedefs)
+    return value, aux, _regroup(grads, [flat[n] for n in nums])
 
 
-def _regroup(grads: list, flat: list, treedefs: list) -> Any:
+def _regroup(grads: list, flat: list) -> Any:
     out, start = [], 0
-    for part, treedef in zip(flat, treedefs):
+    for part, treedef in flat:
         out.append(_tree.tree_unflatten(grads[start : start + len(part)], treedef))
         start += len(part)
     return out[0] if len(out) == 1 else tuple(out)
@@ -201,7 +185,7 @@ def _compute_functorch(call: Call, ctx, leaves: list):
 
     nums = call.nums if len(call.nums) > 1 else call.nums[0]
     values, auxes, grads = [], [], []
-    for j, margs in call.micro_batches():
+    for j, margs, _ in call.micro_batches():
         g, out = torch.func.grad_and_value(marked, argnums=nums, has_aux=call.has_aux)(*margs)
         value, aux = out if call.has_aux else (out, None)
         call.took(j, aux)

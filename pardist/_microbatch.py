@@ -30,36 +30,33 @@ UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()  # carry 
 Masks = list  # per positional argument: None, or one bool per leaf (True: a batch leaf)
 
 
-def _leaves(tree: Any) -> list:
-    return _tree.tree_flatten(tree)[0]
-
-
 def _is_batchable(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.ndim > 0
 
 
 def batch_masks(
-    args: tuple, nums: tuple[int, ...], batch_argnums: Any, ctx: Any, where: str, strict: bool
+    flat: list, nums: tuple[int, ...], batch_argnums: Any, ctx: Any, where: str, strict: bool
 ) -> Masks:
-    """Which leaves of ``args`` are the batch.
+    """Which leaves are the batch, given each argument's ``(leaves, treedef)``.
 
     ``strict``: the answer matters (``accumulate > 1`` or a row-weighted mean), so
     an argument pardist cannot place is an error instead of a guess.
     """
+    n = len(flat)
     if batch_argnums is not None:
         chosen = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
-        if not all(isinstance(n, int) and -len(args) <= n < len(args) for n in chosen):
+        if not all(isinstance(i, int) and -n <= i < n for i in chosen):
             raise ValueError(
                 f"{where}: batch_argnums={batch_argnums!r} does not name arguments of a "
-                f"call with {len(args)} positional arguments."
+                f"call with {n} positional arguments."
             )
-        chosen = {n % len(args) for n in chosen}
+        chosen = {i % n for i in chosen}
         return [
-            [_is_batchable(x) for x in _leaves(a)] if i in chosen else None
-            for i, a in enumerate(args)
+            [_is_batchable(x) for x in leaves] if i in chosen else None
+            for i, (leaves, _) in enumerate(flat)
         ]
     if ctx is None:  # no specs to go by: the one argument that is not differentiated
-        rest = [i for i in range(len(args)) if i not in nums]
+        rest = [i for i in range(n) if i not in nums]
         if strict and not rest:
             raise ValueError(
                 f"{where}: accumulate splits the batch into micro-batches, but every "
@@ -73,21 +70,21 @@ def batch_masks(
                 f"batch_argnums={tuple(rest)}."
             )
         return [
-            [_is_batchable(x) for x in _leaves(a)] if rest == [i] else None
-            for i, a in enumerate(args)
+            [_is_batchable(x) for x in leaves] if rest == [i] else None
+            for i, (leaves, _) in enumerate(flat)
         ]
     masks: Masks = []
-    for a in args:
-        flags = [_is_batchable(x) and id(x) in ctx.varying for x in _leaves(a)]
+    for leaves, _ in flat:
+        flags = [id(x) in ctx.varying and _is_batchable(x) for x in leaves]
         masks.append(flags if any(flags) else None)
     if strict:
-        _check_placed(args, nums, masks, ctx, where)
+        _check_placed(flat, nums, masks, ctx, where)
     return masks
 
 
-def _check_placed(args: tuple, nums: tuple, masks: Masks, ctx: Any, where: str) -> None:
+def _check_placed(flat: list, nums: tuple, masks: Masks, ctx: Any, where: str) -> None:
     """Refuse to guess: a tensor made inside the step may be a transformed batch."""
-    found = {x.shape[0] for a, m in zip(args, masks) if m for x, flag in zip(_leaves(a), m) if flag}
+    found = {x.shape[0] for (leaves, _), m in zip(flat, masks) if m for x, f in zip(leaves, m) if f}
     if not found:
         raise ValueError(
             f"{where}: none of the arguments holds this rank's shard of the step's batch "
@@ -96,61 +93,69 @@ def _check_placed(args: tuple, nums: tuple, masks: Masks, ctx: Any, where: str) 
             "as the step received it, or name the arguments that hold it with "
             "batch_argnums=(...)."
         )
-    for i, a in enumerate(args):
+    for i, (leaves, treedef) in enumerate(flat):
         if i in nums:
             continue
-        flags = masks[i] or [False] * len(_leaves(a))
-        for (path, x), flag in zip(_tree.leaves_with_paths(a, f"args[{i}]"), flags):
+        flags = masks[i] or [False] * len(leaves)
+        for k, (x, flag) in enumerate(zip(leaves, flags)):
             if not flag and _is_batchable(x) and id(x) not in ctx.inputs and x.shape[0] in found:
+                path = _paths(treedef, i)[k]
                 named = tuple(sorted([j for j, m in enumerate(masks) if m] + [i]))
                 raise ValueError(
                     f"{where}: {path} (shape {tuple(x.shape)}) was computed inside the step "
                     "and has as many rows as the batch, so pardist cannot tell whether it "
                     "is part of the batch (the step's sharded inputs are split into "
                     "micro-batches and counted; tensors computed from them are not "
-                    "recognised). Name every batch argument, e.g. batch_argnums="
-                    f"{named}, or pass the batch "
-                    "as the step received it and transform it inside the function."
+                    f"recognised). Name every batch argument, e.g. batch_argnums={named}, "
+                    "or pass the batch as the step received it and transform it inside "
+                    "the function."
                 )
 
 
-def rows(args: tuple, masks: Masks) -> dict[str, int]:
-    """The dim-0 size of every batch leaf, by path."""
-    out = {}
-    for i, (a, m) in enumerate(zip(args, masks)):
-        if m:
-            for (path, x), flag in zip(_tree.leaves_with_paths(a, f"args[{i}]"), m):
-                if flag:
-                    out[path] = x.shape[0]
-    return out
+def _paths(treedef: Any, i: int) -> list[str]:
+    """The paths (``args[2]['x']``) of argument ``i``'s leaves, for error messages."""
+    dummy = _tree.tree_unflatten([0] * treedef.num_leaves, treedef)
+    return [path for path, _ in _tree.leaves_with_paths(dummy, f"args[{i}]")]
 
 
-def split(args: tuple, masks: Masks, k: int, where: str) -> list[tuple]:
-    """The ``k`` micro-batches: every batch leaf split along dim 0 (einops), the rest as is."""
+def rows(flat: list, masks: Masks) -> dict[str, int]:
+    """The dim-0 size of every batch leaf, by path if they disagree (else by one path)."""
+    sizes = [
+        (i, k, x.shape[0])
+        for i, ((leaves, _), m) in enumerate(zip(flat, masks))
+        if m
+        for k, (x, f) in enumerate(zip(leaves, m))
+        if f
+    ]
+    if len({n for _, _, n in sizes}) <= 1:
+        return {"": sizes[0][2]} if sizes else {}
+    return {_paths(flat[i][1], i)[k]: n for i, k, n in sizes}
+
+
+def split(flat: list, masks: Masks, k: int, where: str) -> list[list]:
+    """Each of the ``k`` micro-batches, as every argument's leaves: the batch leaves split
+    along dim 0 (einops), the others as they are."""
     if k == 1:
-        return [args]
-    pieces: list = [[a] * k for a in args]
-    for i, (a, m) in enumerate(zip(args, masks)):
-        if not m:
-            continue
-        named = _tree.leaves_with_paths(a, f"args[{i}]")
+        return [[leaves for leaves, _ in flat]]
+    out: list = [[] for _ in range(k)]
+    for i, ((leaves, treedef), m) in enumerate(zip(flat, masks)):
         columns = []
-        for (path, x), flag in zip(named, m):
-            if not flag:
+        for j, x in enumerate(leaves):
+            if not (m and m[j]):
                 columns.append([x] * k)
                 continue
             if x.shape[0] % k:
                 good = -(-x.shape[0] // k) * k
                 raise ValueError(
-                    f"{where}: accumulate={k} cannot split {path} of shape "
+                    f"{where}: accumulate={k} cannot split {_paths(treedef, i)[j]} of shape "
                     f"{tuple(x.shape)} into {k} equal micro-batches: its dim 0 has "
                     f"{x.shape[0]} rows, not a multiple of {k}. Use a per-rank batch size "
                     f"divisible by {k} (e.g. {good}), or another accumulate."
                 )
             columns.append(list(einops.rearrange(x, "(k b) ... -> k b ...", k=k).unbind(0)))
-        treedef = _tree.tree_flatten(a)[1]
-        pieces[i] = [_tree.tree_unflatten([c[j] for c in columns], treedef) for j in range(k)]
-    return [tuple(p[j] for p in pieces) for j in range(k)]
+        for j in range(k):
+            out[j].append([c[j] for c in columns])
+    return out
 
 
 def _layout(tree: Any) -> tuple:
@@ -161,7 +166,7 @@ def _layout(tree: Any) -> tuple:
 
 
 def check_carry(
-    carry: Any, args: tuple, nums: tuple, masks: Masks, has_aux: bool, where: str
+    carry: Any, nargs: int, nums: tuple, masks: Masks, has_aux: bool, where: str
 ) -> int | None:
     """``carry`` as an argument index (or None), checked against the call."""
     if carry is UNSET or carry is None:
@@ -171,12 +176,12 @@ def check_carry(
             f"{where}: carry={carry!r} threads f's aux output into the next micro-batch, "
             "but has_aux is False. Return (value, aux) and pass has_aux=True."
         )
-    if not (isinstance(carry, int) and -len(args) <= carry < len(args)):
+    if not (isinstance(carry, int) and -nargs <= carry < nargs):
         raise ValueError(
             f"{where}: carry={carry!r} does not name an argument of a call with "
-            f"{len(args)} positional arguments."
+            f"{nargs} positional arguments."
         )
-    carry %= len(args)
+    carry %= nargs
     if carry in nums or masks[carry]:
         role = "differentiated (argnums)" if carry in nums else "split into micro-batches"
         raise ValueError(

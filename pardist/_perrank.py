@@ -22,42 +22,43 @@ import torch
 from pardist import _collectives, _warnings
 from pardist._context import StepContext, debug_enabled
 
-__all__ = ["Table", "exchange", "global_value", "report", "total_rows"]
+__all__ = ["Table", "checked", "exchange", "global_value", "report", "total_rows"]
 
 _COUNT = torch.int32  # a rank's row count; -1 when unknown
 
 
 class Table:
-    """The (ranks, 12) byte table: each rank's loss as float64, then its row count."""
-
-    width = 8 + _COUNT.itemsize
+    """The flat table: every rank's loss as 8 bytes (float64), then every rank's row count
+    as 4 (int32), each byte one element of the bucket's dtype."""
 
     def __init__(self, size: int, index: int):
         self.size, self.index = size, index
+        self.numel = (8 + _COUNT.itemsize) * size
+        self._counts: dict[int, torch.Tensor] = {}
 
     def encode(self, value: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's row filled in, the others zero, in the bucket's ``dtype``."""
-        raw = torch.cat(
-            [
-                value.detach().to(torch.float64).reshape(1).view(torch.uint8),
-                torch.tensor([rows], dtype=_COUNT).view(torch.uint8).to(value.device),
-            ]
-        )
-        table = torch.zeros(self.size, self.width, dtype=dtype, device=value.device)
-        table[self.index] = raw.to(dtype)
+        """This rank's entries filled in, the others zero, in the bucket's ``dtype``."""
+        if rows not in self._counts:
+            self._counts[rows] = torch.tensor([rows], dtype=_COUNT).view(torch.uint8)
+        table = torch.zeros(self.numel, dtype=dtype, device=value.device)
+        i, n = self.index, self.size
+        table[8 * i : 8 * i + 8] = value.detach().reshape(1).double().view(torch.uint8)
+        c = _COUNT.itemsize
+        table[8 * n + c * i : 8 * n + c * (i + 1)] = self._counts[rows]
         return table
 
-    def decode(self, table: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Every rank's loss (float64, exact) and row count, in axis order."""
-        raw = table.detach().reshape(self.size, self.width).round().to(torch.uint8)
-        values = raw[:, :8].reshape(-1).clone().view(torch.float64)
-        counts = raw[:, 8:].cpu().reshape(-1).clone().view(_COUNT)
-        return values, counts.tolist()
+    def decode(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's loss (float64, exact) and row count (int32), in axis order.
+
+        The entries are whole numbers 0-255 that arrived exactly, so a cast recovers
+        the bytes."""
+        raw = table.detach().to(torch.uint8)
+        return raw[: 8 * self.size].view(torch.float64), raw[8 * self.size :].view(_COUNT)
 
 
-def global_value(values: torch.Tensor, counts: list[int], mean: str, dtype) -> torch.Tensor:
+def global_value(values: torch.Tensor, counts: list[int] | None, mean: str, dtype) -> torch.Tensor:
     """The global loss from every rank's, in ``dtype``, identical on every rank."""
-    if mean == "rows" and any(c > 0 for c in counts):
+    if mean == "rows" and counts and any(c > 0 for c in counts):
         weights = torch.tensor([max(c, 0) for c in counts], dtype=torch.float64)
         used = (weights > 0).to(values.device)  # a rank with no rows has no weight (nor a mean)
         weights = weights.to(values.device)
@@ -65,13 +66,16 @@ def global_value(values: torch.Tensor, counts: list[int], mean: str, dtype) -> t
     return values.mean().to(dtype)
 
 
+def checked(values: torch.Tensor, ctx: StepContext) -> bool:
+    """Whether :func:`report` looks at these values (reading them costs a host sync)."""
+    if ctx.loss_scaled:  # pardist.amp.dynamic_loss_scale skips such steps on purpose
+        return False
+    return values.device.type == "cpu" or debug_enabled()
+
+
 def report(values: torch.Tensor, counts: list[int], mean: str, ctx: StepContext, where: str):
     """Warn (raise under PARDIST_DEBUG=1) when some rank's loss is not finite."""
-    if ctx.loss_scaled:  # pardist.amp.dynamic_loss_scale skips such steps on purpose
-        return
     debug = debug_enabled()
-    if values.device.type != "cpu" and not debug:
-        return  # reading it would stall the host every step on an accelerator
     shown = values.tolist()
     bad = [
         r
@@ -106,7 +110,7 @@ def report(values: torch.Tensor, counts: list[int], mean: str, ctx: StepContext,
     _warnings.warn(message, _warnings.NonFiniteLossWarning)
 
 
-def exchange(value: torch.Tensor, rows: int, ctx: StepContext) -> tuple[torch.Tensor, list[int]]:
+def exchange(value: torch.Tensor, rows: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """The table by a small all-reduce of its own (where no gradient bucket carries it)."""
     table = Table(ctx.size, ctx.mesh.index(ctx.axis))
     summed = table.encode(value, rows, torch.float32)
