@@ -39,7 +39,7 @@ class StepContext:
     size: int  # product of the axis sizes
     varying: set[int]  # ids of input leaves sharded over the step's axis
     donated: set[int]  # ids of input leaves the caller donated
-    reducers: dict[Any, Any]  # persistent across calls: key -> pardist._reducer.Reducer
+    reducers: dict[Any, Any]  # persistent across calls: reducers by key, agreed row totals
     scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
     # Tensors made in the step that must end it averaged over the axis (batch-norm
     # statistics with sync_bn=False): pardist.grad carries them with the gradients.
