@@ -273,7 +273,11 @@ def data_parallel(
         bucket_mb: gradient bucket size in MiB (DDP's ``bucket_cap_mb``).
 
     Returns:
-        A function with ``fn``'s signature.
+        A function with ``fn``'s signature. Its first call (and every call under
+        ``PARDIST_DEBUG=1``) also checks that the sharded arguments differ between
+        ranks: every rank fed the same batch is a
+        :class:`pardist.DuplicateBatchWarning` (an error under ``PARDIST_DEBUG=1``)
+        that names the argument and ``pardist.data.shard``.
 
     Example:
         >>> import pardist, torch
