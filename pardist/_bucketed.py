@@ -175,7 +175,7 @@ class _HandOver:
 
     def __init__(self, ctx: StepContext, rep: list, divisor: float | None, empty: bool):
         self.ctx, self.rep, self.divisor, self.empty = ctx, rep, divisor, empty
-        self.table = _perrank.Table(ctx.size, ctx.mesh.index(ctx.axis) if ctx.size > 1 else 0)
+        self.table = _perrank.table(ctx.size, ctx.mesh.index(ctx.axis) if ctx.size > 1 else 0)
 
     def use(self, scatter: bool, reduce: bool, pending: list, accumulate: int) -> None:
         rep = self.rep

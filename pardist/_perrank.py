@@ -1,9 +1,9 @@
 """Every rank's loss and row count, known to every rank at no extra collective.
 
-``pardist.grad`` carries a small table in the gradient buckets: one row per rank
-of the axis, in which each rank writes its own loss and number of batch rows and
-leaves the other rows zero, so the sum over ranks that reduces the gradients
-fills in the whole table on every rank. The values travel as their bytes
+``pardist.grad`` carries a small table in the gradient buckets, with an entry for
+every rank of the axis: each rank writes its own loss and number of batch rows
+and leaves the other entries zero, so the sum over ranks that reduces the
+gradients fills in the whole table on every rank. The values travel as their bytes
 (integers 0-255, exact in every float dtype, bf16 and fp16 compression
 included, since each sum adds one non-zero to zeros), so every rank reads every
 rank's exact loss and computes the global loss itself, identically.
@@ -15,6 +15,7 @@ and the report of a non-finite loss naming the rank(s) it came from.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from pardist import _collectives, _warnings
 from pardist._context import StepContext, debug_enabled
 
-__all__ = ["Table", "checked", "exchange", "global_value", "report", "total_rows"]
+__all__ = ["Table", "checked", "exchange", "global_value", "report", "table", "total_rows"]
 
 _COUNT = torch.int32  # a rank's row count; -1 when unknown
 
@@ -40,12 +41,11 @@ class Table:
         """This rank's entries filled in, the others zero, in the bucket's ``dtype``."""
         if rows not in self._counts:
             self._counts[rows] = torch.tensor([rows], dtype=_COUNT).view(torch.uint8)
-        table = torch.zeros(self.numel, dtype=dtype, device=value.device)
-        i, n = self.index, self.size
-        table[8 * i : 8 * i + 8] = value.detach().reshape(1).double().view(torch.uint8)
-        c = _COUNT.itemsize
-        table[8 * n + c * i : 8 * n + c * (i + 1)] = self._counts[rows]
-        return table
+        out = torch.zeros(self.numel, dtype=dtype, device=value.device)
+        i, n, c = self.index, self.size, _COUNT.itemsize
+        out[8 * i : 8 * i + 8] = value.detach().reshape(1).double().view(torch.uint8)
+        out[8 * n + c * i : 8 * n + c * (i + 1)] = self._counts[rows]
+        return out
 
     def decode(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's loss (float64, exact) and row count (int32), in axis order.
@@ -54,6 +54,12 @@ class Table:
         the bytes."""
         raw = table.detach().to(torch.uint8)
         return raw[: 8 * self.size].view(torch.float64), raw[8 * self.size :].view(_COUNT)
+
+
+@functools.lru_cache(maxsize=64)
+def table(size: int, index: int) -> Table:
+    """The table of rank ``index`` of ``size`` (kept: it caches its encoded counts)."""
+    return Table(size, index)
 
 
 def global_value(values: torch.Tensor, counts: list[int] | None, mean: str, dtype) -> torch.Tensor:
@@ -112,12 +118,12 @@ def report(values: torch.Tensor, counts: list[int], mean: str, ctx: StepContext,
 
 def exchange(value: torch.Tensor, rows: int, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """The table by a small all-reduce of its own (where no gradient bucket carries it)."""
-    table = Table(ctx.size, ctx.mesh.index(ctx.axis))
-    summed = table.encode(value, rows, torch.float32)
+    mine = table(ctx.size, ctx.mesh.index(ctx.axis))
+    summed = mine.encode(value, rows, torch.float32)
     groups = ctx.mesh.groups(ctx.axis)
     if groups:
         summed = _collectives._reduce(summed, groups, "sum")
-    return table.decode(summed)
+    return mine.decode(summed)
 
 
 def total_rows(rows: int, ctx: StepContext) -> int:
