@@ -23,7 +23,7 @@ import torch
 import torch.func
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _collectives, _microbatch, _tree
+from pardist import _collectives, _microbatch, _tree, _vma
 from pardist._context import StepContext, current_step
 from pardist._reducer import Reducer
 from pardist._zero import ScatterReducer, signature
@@ -166,7 +166,9 @@ def _compute(
                     f"{where}: {path[0]} has dtype {leaf.dtype}; only "
                     "floating-point tensors can be differentiated."
                 )
-    replicated = [ctx is not None and id(t) not in ctx.varying for t in leaves]
+    replicated = [
+        ctx is not None and id(t) not in ctx.varying and _vma.invariant_over_data(t) for t in leaves
+    ]
     reduce = ctx is not None and ctx.size > 1 and any(replicated)
     if ctx is None or _in_transform(leaves):
         return _compute_functorch(
@@ -188,6 +190,7 @@ def _compute(
         if hand.reducer is not None and j == accumulate - 1:
             hand.reducer.last_micro_batch()
         inputs = [t.detach().requires_grad_() for t in leaves]
+        _vma.enter_grad(inputs, leaves, replicated)
         for i, x in enumerate(inputs):
             if replicated[i] and (reduce or accumulate > 1):
                 # The reducer takes each gradient the moment autograd produces it.
@@ -209,7 +212,7 @@ def _compute(
             for k, t in enumerate(pending):
                 hand.reducer.add(1 + k, t)
         if value.requires_grad:
-            got = torch.autograd.grad(value, inputs, allow_unused=True)
+            got = torch.autograd.grad(value, inputs, _vma.seed(value), allow_unused=True)
             for i, g in enumerate(got):
                 if g is not None and (hand.reducer is None or not replicated[i]):
                     local_sum[i] = g if local_sum[i] is None else local_sum[i] + g
@@ -232,9 +235,11 @@ def _compute(
     if reduce and hand.carry:
         # The global mean loss, copied out: callers keep losses, not bucket views.
         value, mean_done = reduced[0].to(values[0].dtype, copy=True), True
+        _vma.mean_over_data(value, values[0])
     else:
         value = torch.stack(values).mean() if accumulate > 1 else values[0]
         mean_done = False
+    _vma.typed_like(grads, leaves)
     return value, _microbatch.stack(auxes), _regroup(grads, flat, treedefs), mean_done
 
 
@@ -284,15 +289,21 @@ def _compute_functorch(
     flags = iter(replicated)
     marks = {n: _tree.tree_map(lambda _: next(flags), args[n]) for n in nums}
 
+    scale = [1]  # the seed, set once the loss's type is known (the gradient is linear in it)
+
     def marked(*call):
         call = list(call)
         if groups:
             for n in nums:
                 call[n] = _tree.tree_map(
-                    lambda x, r: _MeanGrad.apply(x, groups, ctx.size) if r else x, call[n], marks[n]
+                    lambda x, r: (
+                        _vma.lifted_over_data(_MeanGrad.apply(x, groups, ctx.size), x) if r else x
+                    ),
+                    call[n],
+                    marks[n],
                 )
         out = f(*call, **kwargs)
-        _split(out, has_aux, where)  # pardist's error for a non-scalar value
+        scale[0] = _vma.seed_scale(_split(out, has_aux, where)[0])  # also pardist's error
         return out
 
     results = []
@@ -300,7 +311,10 @@ def _compute_functorch(
         g, out = torch.func.grad_and_value(
             marked, argnums=nums if len(nums) > 1 else nums[0], has_aux=has_aux
         )(*margs)
+        if scale[0] != 1:
+            g = _tree.tree_map(lambda t: t * scale[0], g)
         value, aux = out if has_aux else (out, None)
+        _vma.typed_like(_tree.tree_leaves(g), [x for n in nums for x in _tree.tree_leaves(args[n])])
         results.append((value, aux, g))
     if accumulate == 1:
         return (*results[0], False)
