@@ -285,7 +285,7 @@ def _compute_functorch(
     f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
 ):
     """torch.func.grad, with a differentiable mean on replicated inputs inside a step."""
-    groups = ctx.mesh.groups(ctx.axis) if ctx is not None else []
+    groups = ctx.mesh.groups(ctx.axis) if ctx is not None and ctx.size > 1 else []
     flags = iter(replicated)
     marks = {n: _tree.tree_map(lambda _: next(flags), args[n]) for n in nums}
 
