@@ -160,8 +160,9 @@ def local_block(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
     The inputs :func:`pardist.shard_map` expects, cut from values every rank
     holds whole (a model built from the same seed): ``P(None, 'model')`` keeps
     this rank's columns, in axis order. Blocks are exact: a dim split over axes
-    of total size n must be a multiple of n. No communication; the blocks are
-    views of the leaves.
+    of total size n must be a multiple of n. No communication. Each block is
+    copied into memory of its own (contiguous), so the full tensors can be
+    freed; replicated leaves come back as they are.
 
     Args:
         tree: the global values (any pytree; non-tensor leaves need ``P()``).
@@ -199,7 +200,7 @@ def local_block(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
                 )
             block = leaf.shape[dim] // size
             leaf = leaf.narrow(dim, index * block, block)
-        out.append(leaf)
+        out.append(leaf.clone(memory_format=torch.contiguous_format) if spec.axes else leaf)
     return _tree.tree_unflatten(out, _tree.tree_flatten(tree)[1])
 
 
