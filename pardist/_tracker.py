@@ -61,10 +61,21 @@ _PASS = {
     Tensor.__float__,
 }
 _AUTOGRAD = {torch.autograd.grad, torch.autograd.backward, Tensor.backward}
+_PLAIN, _METADATA, _INPLACE, _GRAD, _FOREACH = range(5)
+_kinds: dict = {}  # func -> kind, worked out once per function
 
 
-def _name(func) -> str:
-    return getattr(func, "__name__", "")
+def _kind(func) -> int:
+    if func in _PASS:
+        return _METADATA
+    if func in _AUTOGRAD:
+        return _GRAD
+    name = getattr(func, "__name__", "")
+    if name.startswith(("_foreach_", "_fused_")):
+        return _FOREACH
+    if name == "__setitem__" or (name.endswith("_") and not name.endswith("__")):
+        return _INPLACE
+    return _PLAIN
 
 
 class Tracker(TorchFunctionMode):
@@ -83,29 +94,44 @@ class Tracker(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         state = self.state
-        if state.paused or func in _PASS:
+        kind = _kinds.get(func)
+        if kind is None:
+            kind = _kinds[func] = _kind(func)
+        if kind == _METADATA or state.paused:
             return func(*args, **kwargs)
-        if func in _AUTOGRAD:
+        if kind == _GRAD:
             return self._autograd(func, args, kwargs)
-        name = _name(func)
-        if name.startswith(("_foreach_", "_fused_")):
-            return self._foreach(func, name, args, kwargs)
-        get = state.get
-        vmas = []
+        if kind == _FOREACH:
+            return self._foreach(func, args, kwargs)
+        # The hot path: most operations, a few tensors each. state.get, inlined.
+        tags, get = state.tags, state.get
+        union, mixed = None, False
         for a in args:
             if isinstance(a, Tensor):
-                vmas.append(get(a))
+                entry = tags.get(id(a))
+                v = entry[1] if entry is not None and entry[0]() is a else get(a)
             elif type(a) is list or type(a) is tuple:
-                vmas.extend(get(b) for b in a if isinstance(b, Tensor))
-        for key, a in kwargs.items():
-            if isinstance(a, Tensor) and key != "out":
-                vmas.append(get(a))
-        union = _EMPTY.union(*vmas) if vmas else _EMPTY
+                v = _EMPTY.union(*(get(b) for b in a if isinstance(b, Tensor)))
+                mixed = mixed or any(isinstance(b, Tensor) and get(b) != v for b in a)
+            else:
+                continue
+            if union is None:
+                union = v
+            elif v != union:
+                union, mixed = union | v, True
+        if kwargs:
+            for key, a in kwargs.items():
+                if isinstance(a, Tensor) and key != "out":
+                    v = get(a)
+                    if union is None:
+                        union = v
+                    elif v != union:
+                        union, mixed = union | v, True
         if not union:
             return func(*args, **kwargs)
-        inplace = name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))
-        if any(v != union for v in vmas):
-            args, kwargs = self._lift(func, name, inplace, union, args, kwargs)
+        inplace = kind == _INPLACE
+        if mixed:
+            args, kwargs = self._lift(func, inplace, union, args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor):
             state.set(out, union)
@@ -115,11 +141,11 @@ class Tracker(TorchFunctionMode):
                     state.set(t, union)
         if inplace and args and isinstance(args[0], Tensor):
             state.set(args[0], union)
-        if isinstance(kwargs.get("out"), Tensor):
+        if kwargs and isinstance(kwargs.get("out"), Tensor):
             state.set(kwargs["out"], union)
         return out
 
-    def _lift(self, func, name: str, inplace: bool, union: frozenset, args, kwargs):
+    def _lift(self, func, inplace: bool, union: frozenset, args, kwargs):
         """Operands that vary over fewer axes than ``union``, lifted (the written one excepted)."""
         state = self.state
 
@@ -135,6 +161,7 @@ class Tracker(TorchFunctionMode):
             written = args[0]
             missing = union - state.get(written)
             if missing and _needs_grad(written):
+                name = getattr(func, "__name__", func)
                 raise ValueError(
                     f"{self.where}: the in-place {name} writes a value that varies over "
                     f"{state.ordered(missing)} into a tensor of shape {tuple(written.shape)} that "
@@ -172,7 +199,7 @@ class Tracker(TorchFunctionMode):
                     state.set(g, state.get(x))
         return out
 
-    def _foreach(self, func, name: str, args, kwargs):
+    def _foreach(self, func, args, kwargs):
         """``torch._foreach_*`` / fused optimizers: element i's type is the union at index i."""
         state = self.state
         lists = [a for a in args if type(a) is list or type(a) is tuple]
@@ -191,7 +218,7 @@ class Tracker(TorchFunctionMode):
             for t, v in zip(out, unions):
                 if isinstance(t, Tensor):
                     state.set(t, v)
-        if name.endswith("_"):  # in place: the lists written (params, moments) are typed too
+        if func.__name__.endswith("_"):  # in place: the lists written (moments too) are typed
             for a in lists:
                 for t, v in zip(a, unions):
                     if isinstance(t, Tensor) and v:

@@ -47,13 +47,13 @@ class Tracking:
         self.live = frozenset(a for a, n in mesh.shape.items() if n > 1)
         self.data = frozenset(data) & self.live
         self.paused = False  # inside pardist's own code: the mode leaves tensors alone
-        self._tags: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
+        self.tags: dict[int, tuple[weakref.ref, frozenset[str]]] = {}  # id -> (tensor, axes)
         self._lifted: dict[tuple[int, frozenset[str]], tuple[torch.Tensor, torch.Tensor]] = {}
         self._groups: dict[frozenset[str], list] = {}
 
     def get(self, t: torch.Tensor) -> frozenset[str]:
         """The axes ``t`` varies over; untracked tensors (constants, closures) vary over none."""
-        entry = self._tags.get(id(t))
+        entry = self.tags.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
         if _functorch.is_functorch_wrapped_tensor(t):  # torch.func's wrapper of a tracked value
@@ -63,8 +63,8 @@ class Tracking:
     def set(self, t: torch.Tensor, vma: frozenset[str]) -> torch.Tensor:
         """Record that ``t`` varies over ``vma`` (axes of size 1 dropped); returns ``t``."""
         vma = vma & self.live
-        if vma or id(t) in self._tags:
-            self._tags[id(t)] = (weakref.ref(t), vma)
+        if vma or id(t) in self.tags:
+            self.tags[id(t)] = (weakref.ref(t), vma)
         return t
 
     def ordered(self, axes: Iterable[str]) -> tuple[str, ...]:

@@ -69,10 +69,38 @@ def _examples():
     out["pvary"] = mapped(lambda c, x: grad(lambda c: (c[:3] * x).sum())(c), (P(), P("i")))(c, x)
     # psum of an invariant value: N copies.
     out["psum_invariant"] = mapped(lambda c: grad(lambda c: pardist.psum(c.sum(), "i"))(c), P())(c)
+    # pmax into an invariant value: the cotangent goes to the rank holding the maximum only.
+    out["pmax"] = mapped(lambda x: grad(lambda x: pardist.pmax(x.max(), "i"))(x), P("i"))(x)
+    # psum_scatter and all_to_all transpose into all_gather and all_to_all (dims swapped).
+    out["psum_scatter"] = mapped(
+        lambda y, x: grad(lambda y: (pardist.psum_scatter(y, "i") * x).sum())(y), (P("i"), P("i"))
+    )(y, x)
+    z = torch.outer(y, x)  # rank r's (3N, 3) block
+    out["all_to_all"] = mapped(
+        lambda z, y: grad(lambda z: (pardist.all_to_all(z, "i", 0, 1) * y[:3, None]).sum())(z),
+        (P("i"), P("i")),
+    )(z, y)
+    # torch.func.grad inside a step gets the same transposes as pardist.grad.
+    out["torch.func"] = mapped(
+        lambda c, x: torch.func.grad(lambda c: (c[:3] * x).sum())(c), (P(), P("i"))
+    )(c, x)
     # Second order: the backward of psum (a pvary) transposes back into a psum.
     f = lambda x: pardist.pmean((x**3).sum(), "i")  # noqa: E731
     out["second_order"] = mapped(lambda x: grad(lambda x: grad(f)(x).sum())(x), P("i"))(x)
     return out
+
+
+def one_hot_max(xs, r):
+    """d pmax(max x) / d x on rank r: 1 at the global maximum, if rank r holds it."""
+    top = max(range(N), key=lambda k: xs[k].max())
+    return torch.nn.functional.one_hot(xs[r].argmax(), 3).float() * (r == top)
+
+
+def all_to_all_grad(ys, r):
+    """Rank j sends block k of its (3N, 3) z to rank k, which puts it at columns [3j, 3j+3);
+    rank k's loss weighs every row by y_k[:3]. So block k of rank r's gradient is y_k[:3]
+    repeated across the 3 columns it sent."""
+    return torch.cat([ys[k][:3, None].expand(3, 3) for k in range(N)])
 
 
 def test_jax_examples(run):
@@ -87,6 +115,10 @@ def test_jax_examples(run):
             "pvary": torch.cat([sum(xs), torch.zeros(3 * N - 3)]),
             "psum_invariant": torch.full_like(c, float(N)),
             "second_order": 6 * xs[r] / N,
+            "pmax": one_hot_max(xs, r),
+            "psum_scatter": torch.cat(xs),  # all_gather of the cotangents
+            "all_to_all": all_to_all_grad(ys, r),
+            "torch.func": torch.cat([sum(xs), torch.zeros(3 * N - 3)]),
         }
         for name, want in expected.items():
             torch.testing.assert_close(got[name], want, **TOL, msg=f"{name} on rank {r}")
