@@ -10,17 +10,16 @@ from pardist import amp, checkpoint, data, optim
 from pardist._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
 from pardist._collectives import (
     all_gather,
-    all_to_all,
     axis_index,
     axis_size,
     broadcast,
     pmax,
     pmean,
     psum,
-    psum_scatter,
     pvary,
 )
 from pardist._data_parallel import data_parallel
+from pardist._exchange import all_to_all, psum_scatter
 from pardist._functional import functional
 from pardist._gather import gather, gather_object
 from pardist._grad import grad, value_and_grad

@@ -36,29 +36,9 @@ import torch
 import torch.distributed as dist
 
 from pardist import _mesh, _primitives, _tree, _vma
-from pardist._primitives import (
-    AllGather,
-    AllGatherInvariant,
-    AllToAll,
-    Pmax,
-    Psum,
-    PsumInvariant,
-    PsumScatter,
-    Pvary,
-)
+from pardist._primitives import AllGather, AllGatherInvariant, Pmax, Psum, PsumInvariant, Pvary
 
-__all__ = [
-    "all_gather",
-    "all_to_all",
-    "axis_index",
-    "axis_size",
-    "broadcast",
-    "pmax",
-    "pmean",
-    "psum",
-    "psum_scatter",
-    "pvary",
-]
+__all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean", "psum", "pvary"]
 
 _functorch = torch._C._functorch
 _reduce = _primitives.reduce  # how reductions travel: shared memory on one host, else the backend
@@ -204,28 +184,6 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
     )
 
 
-def _blocks(x: torch.Tensor, dim: int, size: int, tree: Any, where: str, axis, what: str) -> int:
-    """``dim`` made non-negative, checked to split into ``size`` equal blocks."""
-    if x.ndim == 0:
-        raise ValueError(
-            f"{where}: a leaf is a scalar (shape ()); there is no dim {dim} to {what}. "
-            "Use x[None] to make it a vector."
-        )
-    if not -x.ndim <= dim < x.ndim:
-        raise ValueError(
-            f"{where}: dim {dim} is out of range for a leaf of shape {tuple(x.shape)}."
-        )
-    dim %= x.ndim
-    if x.shape[dim] % size:
-        path = next(p for p, leaf in _tree.leaves_with_paths(tree, "tree") if leaf is x)
-        raise ValueError(
-            f"{where}: {path} has shape {tuple(x.shape)}; its dim {dim} (size {x.shape[dim]}) "
-            f"does not split into {size} equal blocks over axis {axis!r} of size {size}. "
-            f"Pad dim {dim} to a multiple of {size}, or {what} along another dim."
-        )
-    return dim
-
-
 def _blockwise(tree: Any, axis, name: str, prepare, apply, vma) -> Any:
     """A collective over one (flattened) group.
 
@@ -295,66 +253,6 @@ def all_gather(
         prepare,
         lambda x, group, d: kind.apply(x, group, d),
         (lambda v, axes: v - axes) if invariant else (lambda v, axes: v | axes),
-    )
-
-
-def psum_scatter(tree: Any, axis: str | tuple[str, ...], dim: int = 0) -> Any:
-    """Sum every leaf over ``axis`` and keep this rank's block of ``dim`` (reduce-scatter).
-
-    ``dim`` is cut into ``axis_size`` equal blocks, in axis order; rank ``i``
-    gets block ``i`` of the sum. The inverse layout of :func:`all_gather`, and
-    its transpose: the backward all-gathers the cotangent. The result varies
-    over ``axis``.
-
-    Example:
-        >>> import pardist, torch
-        >>> _ = pardist.init()
-        >>> pardist.psum_scatter(torch.tensor([1., 2.]), 'gpu')
-        tensor([1., 2.])
-        >>> pardist.shutdown()
-    """
-    return _blockwise(
-        tree,
-        axis,
-        "psum_scatter",
-        lambda x, size, where: _blocks(x, dim, size, tree, where, axis, "scatter"),
-        lambda x, group, d: PsumScatter.apply(x, group, d),
-        lambda v, axes: v | axes,
-    )
-
-
-def all_to_all(tree: Any, axis: str | tuple[str, ...], split_dim: int, concat_dim: int) -> Any:
-    """Cut ``split_dim`` into ``axis_size`` blocks, send block ``j`` to rank ``j``, and
-    concatenate what arrives along ``concat_dim`` in axis order.
-
-    The usual use: switch which dim is sharded (heads to sequence and back).
-    Its transpose is the same exchange with the two dims swapped. The result
-    varies over ``axis``.
-
-    Example:
-        >>> import pardist, torch
-        >>> _ = pardist.init()
-        >>> pardist.all_to_all(torch.ones(2, 3), 'gpu', split_dim=0, concat_dim=1).shape
-        torch.Size([2, 3])
-        >>> pardist.shutdown()
-    """
-
-    def prepare(x: torch.Tensor, size: int, where: str) -> tuple[int, int]:
-        split = _blocks(x, split_dim, size, tree, where, axis, "split")
-        if not -x.ndim <= concat_dim < x.ndim:
-            raise ValueError(
-                f"{where}: concat_dim {concat_dim} is out of range for a leaf of shape "
-                f"{tuple(x.shape)}."
-            )
-        return split, concat_dim % x.ndim
-
-    return _blockwise(
-        tree,
-        axis,
-        "all_to_all",
-        prepare,
-        lambda x, group, d: AllToAll.apply(x, group, *d),
-        lambda v, axes: v | axes,
     )
 
 
