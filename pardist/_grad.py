@@ -338,6 +338,12 @@ def grad(
     the backward runs); inputs sharded over the axis keep their local gradient.
     Outside a step it is exactly ``torch.func.grad``.
 
+    Where the mesh has other axes (tensor parallelism, :func:`pardist.shard_map`)
+    collectives get JAX's transposes: the result is the gradient of the loss
+    averaged over the data axes (a bare ``shard_map`` has none) and, over any
+    other axis the loss still varies over, summed, as in JAX. ``psum`` or
+    ``pmean`` the loss over such an axis to say which you mean.
+
     Args:
         f: a function returning a scalar tensor (and aux, with ``has_aux``).
         argnums: which positional argument(s) to differentiate.
