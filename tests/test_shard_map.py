@@ -91,7 +91,7 @@ def reference(model: str) -> list[tuple[dict, dict, float]]:
     return out
 
 
-def _train(model: str, loss_mean: bool):
+def _train(model: str, loss_mean: bool, accumulate: int):
     """4 ranks: data_parallel over 'data' on a 2x2 mesh, weights split over 'model'."""
     make, forward = MODELS[model]
     mesh = pardist.Mesh({"data": 2, "model": 2})
@@ -113,7 +113,9 @@ def _train(model: str, loss_mean: bool):
         out_specs=(specs, state_specs, specs, P()),
     )
     def step(p, state, batch):
-        loss, grads = pardist.value_and_grad(loss_fn)(p, *batch)
+        loss, grads = pardist.value_and_grad(loss_fn, accumulate=accumulate, batch_argnums=(1, 2))(
+            p, *batch
+        )
         p, state = opt.update(grads, state, p)
         return p, state, grads, loss
 
@@ -131,12 +133,13 @@ def _train(model: str, loss_mean: bool):
 def test_tensor_parallel_equals_one_process(run, model):
     expected = reference(model)
     specs = MODELS[model][0](torch.Generator().manual_seed(0))[1]
-    for loss_mean in (False, True):
-        for index, steps in run(4, _train, model, loss_mean):
+    # A per-rank loss, and one already averaged over 'data' in 2 micro-batches: the same steps.
+    for loss_mean, accumulate in ((False, 1), (True, 2)):
+        for index, steps in run(4, _train, model, loss_mean, accumulate):
             for s, ((grads, params, loss), (g1, p1, loss1)) in enumerate(zip(steps, expected)):
-                assert loss == pytest.approx(loss1, rel=1e-5), (s, loss_mean)
+                assert loss == pytest.approx(loss1, rel=1e-5), (s, loss_mean, accumulate)
                 for k in p1:
-                    where = f"{model} step {s} {k} at {index} (pmean'd loss: {loss_mean})"
+                    where = f"{model} step {s} {k} at {index} ({loss_mean=}, {accumulate=})"
                     torch.testing.assert_close(
                         grads[k], block(g1[k], specs[k], index), **TOL, msg=where
                     )
