@@ -223,6 +223,12 @@ def _errors():
 
     catch("inplace", lambda: mapped(inplace, (P(), P("i")), P("i"))(torch.ones(2), torch.ones(2)))
     catch("replicated", lambda: mapped(lambda c: c, P())(torch.full((2,), float(r))))
+
+    # An overflow in one rank's block of the gradients: every rank skips the step.
+    scaler = pardist.amp.dynamic_loss_scale()
+    ls = scaler.init()
+    g = torch.full((2,), float("inf") if r == 0 else 1.0)
+    messages["finite"] = mapped(lambda g: scaler.unscale(g, ls)[1], P("i"))(g)
     return messages
 
 
@@ -247,6 +253,7 @@ def test_errors_name_the_path_the_axis_and_the_fix(run):
         assert "x = x + y" in m["inplace"]
         assert "args[0] differs between rank 0 and rank 1" in m["replicated"]
         assert "pardist.broadcast" in m["replicated"]
+        assert m["finite"] is False
 
 
 def test_shard_map_forms(world1):
