@@ -97,7 +97,9 @@ def data_parallel(
             data parallel over.
         in_specs: a tuple with one spec tree per positional argument (each a
             prefix of that argument's tree): ``P()`` replicated, ``P('gpu')`` dim 0
-            split over 'gpu'. Keyword arguments are always replicated.
+            split over 'gpu'. Keyword arguments are always replicated. Specs may
+            also split weights over other axes of ``mesh`` (``P(None, 'model')``):
+            tensor parallelism inside the step, as in :func:`pardist.shard_map`.
         out_specs: a spec tree for the output; default: all replicated. Replicated
             outputs must agree across ranks; the first call (and every call under
             ``PARDIST_DEBUG=1``) checks, naming the output path that differs.

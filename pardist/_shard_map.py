@@ -239,7 +239,7 @@ class Step:
 
     def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes: tuple[str, ...]) -> None:
         named = _tree.leaves_with_paths(out, "output")
-        flat = self._out_specs(out, named)
+        flat = self._out_specs(out)
         for (path, leaf), spec in zip(named, flat):
             _specs.check_fits(
                 spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
@@ -249,12 +249,23 @@ class Step:
             if problem:
                 raise ValueError(self.replicated_output_error(problem, over, axes))
 
-    def _out_specs(self, out: Any, named: list) -> list[P]:
-        if self.out_specs is None:
-            return [P()] * len(named)
-        return _specs.flat_specs(
-            self.out_specs, out, where=self.where, specs_name="out_specs", tree_name="output"
-        )
+    def _out_specs(self, out: Any) -> list[P]:
+        """One spec per output leaf (cached by the output's structure)."""
+        leaves, treedef = _tree.tree_flatten(out)
+        key = ("out", treedef)
+        if key not in self._specs_cache:
+            self._specs_cache[key] = (
+                [P()] * len(leaves)
+                if self.out_specs is None
+                else _specs.flat_specs(
+                    self.out_specs,
+                    out,
+                    where=self.where,
+                    specs_name="out_specs",
+                    tree_name="output",
+                )
+            )
+        return self._specs_cache[key]
 
     def _typed_outputs(self, out: Any, state: _vma.Tracking, axes) -> str | None:
         """JAX's static check: an output varying over a (non-data) axis its out_spec replicates.
@@ -262,13 +273,11 @@ class Step:
         Over data axes the first call's comparison of values decides, as for data_parallel.
         """
         leaves = _tree.tree_leaves(out)
-        if not any(isinstance(t, torch.Tensor) and state.get(t) for t in leaves):
-            return None
-        named = _tree.leaves_with_paths(out, "output")
-        for (path, leaf), spec in zip(named, self._out_specs(out, named)):
+        for i, (leaf, spec) in enumerate(zip(leaves, self._out_specs(out))):
             if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
                 extra = state.get(leaf) - set(spec.axes) - state.data
                 if extra:
+                    path = _tree.leaves_with_paths(out, "output")[i][0]
                     over = state.ordered(extra)
                     return self.replicated_output_error(
                         f"{path} varies over {over} (it is computed from values split over "
