@@ -110,9 +110,12 @@ class Tracker(TorchFunctionMode):
             if isinstance(a, Tensor):
                 entry = tags.get(id(a))
                 v = entry[1] if entry is not None and entry[0]() is a else get(a)
-            elif type(a) is list or type(a) is tuple:
-                v = _EMPTY.union(*(get(b) for b in a if isinstance(b, Tensor)))
-                mixed = mixed or any(isinstance(b, Tensor) and get(b) != v for b in a)
+            elif type(a) is list or type(a) is tuple:  # cat's tensors, an index (x[:, i])
+                vs = [get(b) for b in a if isinstance(b, Tensor)]
+                if not vs:
+                    continue
+                v = _EMPTY.union(*vs)
+                mixed = mixed or any(w != v for w in vs)
             else:
                 continue
             if union is None:

@@ -84,6 +84,11 @@ def _examples():
     out["torch.func"] = mapped(
         lambda c, x: torch.func.grad(lambda c: (c[:3] * x).sum())(c), (P(), P("i"))
     )(c, x)
+    # A replicated value indexed by a varying index (inside an index tuple) is lifted too.
+    idx = torch.tensor([r, r + 1])
+    out["index"] = mapped(lambda m, i: grad(lambda m: m[:, i].sum())(m), (P(), P("i")))(
+        torch.ones(2, 3 * N), idx
+    )
     # Second order: the backward of psum (a pvary) transposes back into a psum.
     f = lambda x: pardist.pmean((x**3).sum(), "i")  # noqa: E731
     out["second_order"] = mapped(lambda x: grad(lambda x: grad(f)(x).sum())(x), P("i"))(x)
@@ -119,6 +124,10 @@ def test_jax_examples(run):
             "psum_scatter": torch.cat(xs),  # all_gather of the cotangents
             "all_to_all": all_to_all_grad(ys, r),
             "torch.func": torch.cat([sum(xs), torch.zeros(3 * N - 3)]),
+            "index": sum(
+                torch.zeros(3 * N).index_add_(0, torch.tensor([k, k + 1]), torch.ones(2))
+                for k in range(N)
+            ).expand(2, 3 * N),
         }
         for name, want in expected.items():
             torch.testing.assert_close(got[name], want, **TOL, msg=f"{name} on rank {r}")
