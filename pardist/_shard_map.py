@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pardist import _collectives, _mesh, _replication, _specs, _tree, _vma
@@ -192,10 +191,10 @@ class Step:
             if state is not None:
                 typed_problem = self._typed_outputs(out, state, axes)
         self.calls += 1
-        if typed_problem:
-            raise ValueError(typed_problem)
         if check:
-            self._check_outputs(out, mesh, axes)
+            self._check_outputs(out, mesh, axes, typed_problem)
+        elif typed_problem:
+            raise ValueError(typed_problem)
         if donated:
             kept = {id(x) for x in _tree.tree_leaves(out)}
             for x in leaves:
@@ -223,7 +222,7 @@ class Step:
     def _check_inputs(self, args: tuple, specs: list[P], mesh: _mesh.Mesh, axes) -> None:
         """Every rank passes the same specs and block shapes; replicated inputs agree."""
         named = _tree.leaves_with_paths(args, "args")
-        problem = _layout_mismatch(named, specs, mesh, axes)
+        problem = _replication.layout_mismatch(named, specs, mesh, axes)
         if problem:
             raise ValueError(
                 f"{self.where}: the ranks disagree on the layout of their inputs: {problem}. "
@@ -232,19 +231,22 @@ class Step:
                 "blocks: a dim split over an axis of size n is 1/n of the global dim; "
                 "pardist.local_block cuts them)."
             )
-        for over, group in _replicated_groups(named, specs, mesh):
+        for over, group in _replication.replicated_groups(named, specs, mesh):
             problem = _replication.mismatch(group, mesh.group(over))
             if problem:
                 raise ValueError(self.replicated_input_error(problem, over, axes))
 
-    def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes: tuple[str, ...]) -> None:
+    def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes, typed_problem) -> None:
+        """out_specs fit the outputs; outputs are not typed, nor found, varying where replicated."""
         named = _tree.leaves_with_paths(out, "output")
         flat = self._out_specs(out)
         for (path, leaf), spec in zip(named, flat):
             _specs.check_fits(
                 spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
             )
-        for over, group in _replicated_groups(named, flat, mesh):
+        if typed_problem:
+            raise ValueError(typed_problem)
+        for over, group in _replication.replicated_groups(named, flat, mesh):
             problem = _replication.mismatch(group, mesh.group(over))
             if problem:
                 raise ValueError(self.replicated_output_error(problem, over, axes))
@@ -290,58 +292,6 @@ class Step:
 
 def _count(specs: Any) -> str:
     return str(len(specs)) if isinstance(specs, (tuple, list)) else f"a {type(specs).__name__}"
-
-
-def _layout_mismatch(named: list, specs: list[P], mesh: _mesh.Mesh, axes) -> str | None:
-    """Compare specs and non-data block shapes across every rank of the mesh."""
-    if mesh.size(mesh.axis_names) == 1:
-        return None
-    data = set(axes)
-
-    def block(leaf: Any, spec: P) -> tuple | None:
-        if not isinstance(leaf, torch.Tensor) or not set(spec.axes) - data:
-            return None  # replicated shapes are compared with their values; batches may differ
-        shape = list(leaf.shape)
-        for d, entry in enumerate(spec):
-            names = entry if isinstance(entry, tuple) else (entry,)
-            if entry is not None and data & set(names):
-                shape[d] = None
-        return tuple(shape)
-
-    mine = [(path, repr(s), block(leaf, s)) for (path, leaf), s in zip(named, specs)]
-    group = mesh.group(mesh.axis_names)
-    ranks = dist.get_process_group_ranks(group)
-    everyone: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(everyone, mine, group=group)
-    first = everyone[0]
-    for r, theirs in zip(ranks[1:], everyone[1:]):
-        if [p for p, _, _ in theirs] != [p for p, _, _ in first]:
-            return (
-                f"rank {ranks[0]} passes the leaves {[p for p, _, _ in first]} but rank {r} "
-                f"passes {[p for p, _, _ in theirs]}"
-            )
-        for (path, spec0, block0), (_, spec1, block1) in zip(first, theirs):
-            if (spec0, block0) != (spec1, block1):
-                shape = lambda b: "" if b is None else f" with block shape {b}"  # noqa: E731
-                return (
-                    f"{path} has in_spec {spec0}{shape(block0)} on rank {ranks[0]} but "
-                    f"{spec1}{shape(block1)} on rank {r}"
-                )
-    return None
-
-
-def _replicated_groups(named: list, specs: list[P], mesh: _mesh.Mesh) -> list:
-    """``[(axes, [(path, leaf)])]``: the leaves replicated over exactly those axes.
-
-    DTensors (sharded state) carry their own layout and are left out.
-    """
-    live = [a for a, n in mesh.shape.items() if n > 1]
-    groups: dict[tuple[str, ...], list] = {}
-    for (path, leaf), spec in zip(named, specs):
-        over = tuple(a for a in live if a not in spec.axes)
-        if over and not isinstance(leaf, DTensor):
-            groups.setdefault(over, []).append((path, leaf))
-    return sorted(groups.items())
 
 
 def shard_map(

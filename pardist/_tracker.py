@@ -172,21 +172,18 @@ class Tracker(TorchFunctionMode):
                     f"psum over {state.ordered(missing)}. Write it out of place "
                     "(x = x + y instead of x += y)."
                 )
+
+        def lift_arg(a):
+            if isinstance(a, Tensor):
+                return lift(a)
+            if type(a) is list or type(a) is tuple:
+                return type(a)(lift(b) if isinstance(b, Tensor) else b for b in a)
+            return a
+
         with _vma.paused():
-            first = 1 if inplace else 0
-            new_args = tuple(
-                a
-                if i < first
-                else lift(a)
-                if isinstance(a, Tensor)
-                else type(a)(lift(b) if isinstance(b, Tensor) else b for b in a)
-                if type(a) is list or type(a) is tuple
-                else a
-                for i, a in enumerate(args)
-            )
-            new_kwargs = {
-                k: lift(a) if isinstance(a, Tensor) and k != "out" else a for k, a in kwargs.items()
-            }
+            first = 1 if inplace else 0  # the tensor an in-place operation writes stays itself
+            new_args = args[:first] + tuple(lift_arg(a) for a in args[first:])
+            new_kwargs = {k: a if k == "out" else lift_arg(a) for k, a in kwargs.items()}
         return new_args, new_kwargs
 
     def _autograd(self, func, args, kwargs):

@@ -13,7 +13,9 @@ written on the caller's tensors.
 Outside such a step nothing is tracked (``current()`` is None) and every
 collective treats every value as varying over every axis, whose transposes are
 the classic ones (``psum`` -> ``psum``). For a plain data-parallel step that is
-exact: see ``pardist._grad``.
+exact: with every value equal across the non-data axes, they compute the true
+gradient of the loss averaged over the data axes, whether the loss is per-rank
+or already ``pmean``'d.
 
 Axes of size 1 are never recorded: nothing can vary over them.
 """
@@ -28,7 +30,20 @@ import torch
 
 from pardist._mesh import Mesh
 
-__all__ = ["EMPTY", "Tracking", "current", "paused", "tracking"]
+__all__ = [
+    "EMPTY",
+    "Tracking",
+    "current",
+    "enter_grad",
+    "invariant_over_data",
+    "lifted_over_data",
+    "mean_over_data",
+    "paused",
+    "seed",
+    "seed_scale",
+    "tracking",
+    "typed_like",
+]
 
 EMPTY: frozenset[str] = frozenset()
 _functorch = torch._C._functorch
