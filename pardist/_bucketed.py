@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _microbatch, _perrank, _tree
+from pardist import _microbatch, _perrank, _tree, _vma
 from pardist._context import StepContext
 from pardist._reducer import Reducer
 from pardist._zero import ScatterReducer, signature
@@ -244,6 +244,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         if hand.reducer is not None and j == k - 1:
             hand.reducer.last_micro_batch()
         inputs = [t.detach().requires_grad_() for n in call.nums for t in mleaves[n]]
+        _vma.enter_grad(inputs, leaves, replicated)
         for i, x in enumerate(inputs):
             if replicated[i] and (reduce or k > 1):
                 # The reducer takes each gradient the moment autograd produces it.
@@ -263,7 +264,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             for m, t in enumerate(pending):
                 hand.reducer.add(1 + m, t, divisor=ctx.size)
         if value.requires_grad:
-            got = torch.autograd.grad(value, inputs, allow_unused=True)
+            got = torch.autograd.grad(value, inputs, _vma.seed(value), allow_unused=True)
             for i, g in enumerate(got):
                 if g is None or (hand.reducer is not None and replicated[i]):
                     continue
@@ -282,6 +283,8 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     for m, t in enumerate(pending):
         t.copy_(reduced[1 + m])  # the averaged statistics, into the tensors apply returned
     value, counts = _value(call, ctx, hand, reduced, values)
+    if value is not values[0]:
+        _vma.mean_over_data(value, values[0])  # the loss averaged over the data axes
     factor = _correction(ctx, hand, counts)
     grads = call.combine(local, parts, leaves)
     for i, t in enumerate(leaves):
@@ -290,7 +293,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             if factor != 1.0:
                 g = g * factor  # out of place: shared-memory buckets are every rank's
             grads[i] = _as_shard(g, t, ctx) if scatter else g
-    return value, call.aux(auxes), grads
+    return value, call.aux(auxes), _vma.typed_like(grads, leaves)
 
 
 def _value(call: Call, ctx: StepContext, hand: _HandOver, reduced: list, values: list):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.func
 
-from pardist import _bucketed, _collectives, _microbatch, _perrank, _tree
+from pardist import _bucketed, _collectives, _microbatch, _perrank, _tree, _vma
 from pardist._bucketed import Call
 from pardist._context import current_step
 
@@ -131,7 +131,9 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
                         "floating-point tensors can be differentiated."
                     )
     split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
-    replicated = [ctx is not None and id(t) not in ctx.varying for t in leaves]
+    replicated = [
+        ctx is not None and id(t) not in ctx.varying and _vma.invariant_over_data(t) for t in leaves
+    ]
     if any(s and r for s, r in zip(split, replicated)):
         raise ValueError(
             f"{where}: batch_argnums names a differentiated input that is replicated over "
@@ -162,31 +164,39 @@ def _compute_functorch(call: Call, ctx, leaves: list):
     Here the value stays differentiable (an outer transform may differentiate
     through it), so it is averaged by a differentiable collective.
     """
-    groups = ctx.mesh.groups(ctx.axis) if ctx is not None else []
+    groups = ctx.mesh.groups(ctx.axis) if ctx is not None and ctx.size > 1 else []
     divisor, total = None, 0
     if groups and call.mean == "rows":
         total = _perrank.total_rows(call.rows, ctx)
         divisor = total / call.rows if call.rows > 0 else math.inf
     flags = iter(call.replicated)
     marks = {n: _tree.tree_map(lambda _: next(flags), call.args[n]) for n in call.nums}
+    scale = [1]  # the backward's seed (the gradient is linear in it), set by each forward
 
     def marked(*args):
         args = list(args)
         if groups:
             for n in call.nums:
                 args[n] = _tree.tree_map(
-                    lambda x, r: _MeanGrad.apply(x, groups, ctx.size, divisor) if r else x,
+                    lambda x, r: (
+                        _vma.lifted_over_data(_MeanGrad.apply(x, groups, ctx.size, divisor), x)
+                        if r
+                        else x
+                    ),
                     args[n],
                     marks[n],
                 )
         out = call.f(*args, **call.kwargs)
-        _bucketed.split_value(out, call.has_aux, call.where)  # pardist's error for a non-scalar
+        # pardist's error for a non-scalar; the seed, once the loss's type is known
+        scale[0] = _vma.seed_scale(_bucketed.split_value(out, call.has_aux, call.where)[0])
         return out
 
     nums = call.nums if len(call.nums) > 1 else call.nums[0]
     values, auxes, grads = [], [], []
     for j, margs, _ in call.micro_batches():
         g, out = torch.func.grad_and_value(marked, argnums=nums, has_aux=call.has_aux)(*margs)
+        if scale[0] != 1:
+            g = _tree.tree_map(lambda t: t * scale[0], g)
         value, aux = out if call.has_aux else (out, None)
         call.took(j, aux)
         values.append(value)
@@ -206,7 +216,7 @@ def _compute_functorch(call: Call, ctx, leaves: list):
         value = plain + (weighted - plain).detach()
     elif groups and call.need_value:
         value = _collectives._Psum.apply(value, groups) / ctx.size
-    return value, call.aux(auxes), call.combine(local, parts, leaves)
+    return value, call.aux(auxes), _vma.typed_like(call.combine(local, parts, leaves), leaves)
 
 
 def grad(
