@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pardist import _mesh, _shm, _tree
+from pardist import _faults, _mesh, _shm, _tree
 
 __all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean", "psum"]
 
@@ -32,9 +32,12 @@ def _reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
         if shm is not None:
             shm.all_reduce(y, op)
         else:
-            dist.all_reduce(
-                y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
-            )
+            with _faults.collective_errors(
+                f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}", group
+            ):
+                dist.all_reduce(
+                    y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
+                )
     return y
 
 
@@ -88,7 +91,8 @@ class _AllGather(torch.autograd.Function):
                 torch.empty_like(x, memory_format=torch.contiguous_format)
                 for _ in range(dist.get_world_size(group))
             ]
-            dist.all_gather(parts, x.contiguous(), group=group)
+            with _faults.collective_errors("pardist.all_gather", group):
+                dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod
@@ -220,7 +224,8 @@ def broadcast(tree: Any, axis: str | tuple[str, ...] = "gpu", *, src: int = 0) -
 
     def send(x: torch.Tensor) -> torch.Tensor:
         y = x.detach().clone(memory_format=torch.contiguous_format)
-        dist.broadcast(y, src=source, group=group)
+        with _faults.collective_errors("pardist.broadcast", group):
+            dist.broadcast(y, src=source, group=group)
         return y
 
     return _map(tree, "pardist.broadcast", send)

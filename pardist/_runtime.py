@@ -10,11 +10,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from pardist import _faults
+from pardist._faults import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "device",
@@ -29,11 +33,6 @@ __all__ = [
     "shutdown",
     "world_size",
 ]
-
-# Collectives that never complete (a rank that crashed or skipped one) must turn
-# into errors, not hangs. torch's default is 30 minutes; ten is long enough for a
-# slow first CUDA step and short enough that a broken job is noticed.
-DEFAULT_TIMEOUT_S = 600.0
 
 _owns_group = False
 _shutdown_hooks: list[Callable[[], None]] = []
@@ -181,6 +180,14 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
             getattr(torch, dev.type).set_device(dev)
         chosen = backend or _default_backend(dev)
         kwargs = dict(backend=chosen, timeout=_timeout(timeout))
+        if _debug() and not os.environ.get("TORCH_DISTRIBUTED_DEBUG"):
+            # torch's own check that every rank's collective has the same shapes
+            # (shared memory checks always): gloo would abort, NCCL could hang.
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
+        else:
+            dist.set_debug_level_from_env()
+        _faults.set_timeout(kwargs["timeout"].total_seconds())
+        _faults.record_uncaught()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             store = _attempt_store(kwargs["timeout"])
             if store is not None:
@@ -198,6 +205,10 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
             atexit.register(shutdown)
             _atexit_registered = True
     return _mesh.default_mesh()
+
+
+def _debug() -> bool:
+    return os.environ.get("PARDIST_DEBUG", "") not in ("", "0")
 
 
 def _attempt_store(timeout: datetime.timedelta):
@@ -229,7 +240,13 @@ def shutdown() -> None:
     _mesh.forget_default_mesh()
     for hook in _shutdown_hooks:
         hook()
+    _faults.forget_labels()
     if _owns_group and is_initialized():
+        # Garbage that still holds the group goes first: a torch DDP model sits in a
+        # reference cycle until the collector runs, and its reducer keeps the gloo group
+        # (and its threads) alive past destroy_process_group, to be torn down during
+        # interpreter exit, where it can hang or abort the process.
+        gc.collect()
         dist.destroy_process_group()
     _owns_group = False
 

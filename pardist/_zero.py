@@ -18,7 +18,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pardist._reducer import Reducer, _Bucket, _references, assign
+from pardist._reducer import Reducer, _Bucket, _references, assign, check_layout
 from pardist._runtime import GroupRef
 from pardist._shm import ALIGN, SharedMemoryGroup
 
@@ -164,6 +164,8 @@ class ParamGather:
         first_bucket_bytes: int = 2**20,
     ):
         self._group, self.size, self.index = GroupRef(group), size, index
+        if size > 1:
+            check_layout(like, [group], "pardist.optim.sharded")
         self.buckets, self.columns = _layout(like, size, bucket_bytes, first_bucket_bytes)
         self.arena = None
         if size > 1 and all(b.device.type == "cpu" for b in self.buckets):
