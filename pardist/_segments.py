@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import uuid
 
-__all__ = ["PREFIX", "clean_stale", "create", "room"]
+__all__ = ["PREFIX", "clean_stale", "create", "room", "say_fallback"]
 
 DIR = "/dev/shm"
 PREFIX = "pardist-"
@@ -105,3 +106,20 @@ def clean_stale() -> list[str]:
             except OSError:
                 continue  # another process removed it first
     return removed
+
+
+_said = False
+
+
+def say_fallback(why: str, nbytes: int) -> None:
+    """One line, once per process: shared memory was wanted and could not be had."""
+    global _said
+    if not _said:
+        _said = True
+        print(
+            f"pardist: {why}, so a {nbytes / 2**20:.1f} MiB shared-memory segment was not "
+            "made; these ranks use a slower transport (gloo, or a smaller staging segment). "
+            "Give /dev/shm more room (docker run --shm-size=2g), or set PARDIST_SHM=0.",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -37,17 +37,16 @@ buffers and stages them through a bucket-sized region (the fallback when
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import os
 import platform
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from pardist import _faults, _runtime, _segments
+from pardist._futex import futex_wait, futex_wake
 
 __all__ = ["SharedMemoryGroup", "for_collectives"]
 
@@ -56,34 +55,6 @@ _NOTE_BYTES = 256  # per rank: what it was doing, written only when the ranks di
 _SEQ, _EXCHANGE, _SIGNATURE = 0, 1, 3  # int64 slots in a rank's line
 ALIGN = 64
 _SPIN_S = 20e-6
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 Linux; shared (not private) futexes
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _futex_wait(address: int, expected: int, seconds: float) -> None:
-    """Sleep while the int32 at ``address`` equals ``expected`` (or until woken / timed out)."""
-    timeout = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-    _libc.syscall(
-        _SYS_FUTEX,
-        ctypes.c_void_p(address),
-        _FUTEX_WAIT,
-        ctypes.c_int(expected),
-        ctypes.byref(timeout),
-        None,
-        0,
-    )
-
-
-def _futex_wake(address: int) -> None:
-    _libc.syscall(
-        _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0
-    )
-
-
 COLLECTIVE_BYTES = 4 * 2**20  # region per rank for psum / pmax / all_gather
 _collective_groups: dict[str, SharedMemoryGroup | None] = {}  # by group name
 
@@ -136,22 +107,7 @@ def _show(what: tuple | None) -> str:
     return name
 
 
-_fallback_said = False
 _SETUP = "pardist: setting up a shared-memory segment"
-
-
-def _say_fallback(why: str, nbytes: int) -> None:
-    """One line, once per process: shared memory was wanted and could not be had."""
-    global _fallback_said
-    if not _fallback_said:
-        _fallback_said = True
-        print(
-            f"pardist: {why}, so a {nbytes / 2**20:.1f} MiB shared-memory segment was not "
-            "made; these ranks use a slower transport (gloo, or a smaller staging segment). "
-            "Give /dev/shm more room (docker run --shm-size=2g), or set PARDIST_SHM=0.",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 class SharedMemoryGroup:
@@ -233,7 +189,7 @@ class SharedMemoryGroup:
             path, why = shared
             if path is None:
                 if index == 0:
-                    _say_fallback(why, total)
+                    _segments.say_fallback(why, total)
                 return None
             try:
                 region = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
@@ -286,7 +242,7 @@ class SharedMemoryGroup:
         arrived = lambda: all(flags[k * stride] >= seq for k in range(self.size))  # noqa: E731
         if arrived():  # the last to arrive wakes the sleepers
             self._wake[0] = (int(self._wake[0]) + 1) % 2**31
-            _futex_wake(self._wake_address)
+            futex_wake(self._wake_address)
             return
         start = time.monotonic()
         while time.monotonic() - start < _SPIN_S:
@@ -307,7 +263,7 @@ class SharedMemoryGroup:
                     late,
                     doing,
                 )
-            _futex_wait(self._wake_address, word, min(0.1, self.timeout - waited + 1e-3))
+            futex_wait(self._wake_address, word, min(0.1, self.timeout - waited + 1e-3))
 
     def _disagree(self, what: tuple | None) -> None:
         """Every rank saw the same differing signatures: post what I was doing, read theirs."""

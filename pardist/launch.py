@@ -284,87 +284,6 @@ def _watch(host: str, port: int, patience: float, interval: float = 2.0) -> None
     threading.Thread(target=watch, daemon=True, name="pardist-launch-watch").start()
 
 
-def _recorded(failure) -> tuple[str | None, dict]:
-    """A failed worker's error file: its exception, and what pardist added (late ranks...)."""
-    message = failure.message
-    if not isinstance(message, dict):
-        return None, {}
-    extra = message.get("extraInfo", {})
-    return message.get("message"), {k: v for k, v in extra.items() if k.startswith("pardist_")}
-
-
-def _who(rank: int, failures: dict) -> str:
-    failure = failures.get(rank)
-    if failure is None:
-        return f"rank {rank} (on another node)"
-    return f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
-
-
-def _where_output(failure) -> str:
-    """Where a worker's stderr went: this terminal, or torchrun's log file for it."""
-    log = os.path.join(os.path.dirname(str(failure.error_file)), "stderr.log")
-    return f"in {log}" if os.path.isfile(log) and os.path.getsize(log) else "above"
-
-
-def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= 300 else line[:297] + "..."
-
-
-def _culprit_line(rank: int, failures: dict) -> str:
-    """What rank ``rank`` itself did: raised, exited with a code, or was killed."""
-    failure = failures.get(rank)
-    if failure is None:
-        return f"{_who(rank, failures)} failed"
-    message, _ = _recorded(failure)
-    if message is not None:
-        return (
-            f"{_who(rank, failures)} failed first: {_first_line(message)} "
-            f"(its traceback is {_where_output(failure)})"
-        )
-    if failure.exitcode < 0:
-        return (
-            f"{_who(rank, failures)} was killed by {failure.signal_name()} "
-            "(no traceback: a signal from outside; SIGKILL is often the out-of-memory killer)"
-        )
-    return (
-        f"{_who(rank, failures)} exited first, with code {failure.exitcode} and no Python "
-        f"traceback (sys.exit, os._exit, or a crash in native code); its own output is "
-        f"{_where_output(failure)}"
-    )
-
-
-def _explain_failure(exc) -> tuple[str, int]:
-    """One line naming the rank that caused a ChildFailedError, and the exit code to use."""
-    failures = exc.failures
-    rank, failure = exc.get_first_failure()
-    code = failure.exitcode if failure.exitcode > 0 else 1
-    message, extra = _recorded(failure)
-    late = extra.get("pardist_late_ranks")
-    if late is None:  # the first to fail failed on its own
-        return f"{WHERE}: {_culprit_line(rank, failures)}. The other ranks were stopped.", code
-    waited = (
-        f"{_who(rank, failures)} waited {extra.get('pardist_timeout_s', 0):.0f} s "
-        f"(PARDIST_TIMEOUT) in {extra.get('pardist_waited_in') or 'a collective'}"
-    )
-    if not late:
-        return (
-            f"{WHERE}: the ranks waited for each other in different collectives (a rank "
-            f"skipped one, or called them in another order): {waited}, and every other "
-            "rank waited too. Every rank was then stopped.",
-            1,
-        )
-    raised = [r for r in late if r in failures and _recorded(failures[r])[0] is not None]
-    if raised:  # a late rank that raised an error of its own: that error came first
-        return f"{WHERE}: {_culprit_line(raised[0], failures)}. The other ranks were stopped.", 1
-    names = ", ".join(_who(r, failures) for r in late)
-    return (
-        f"{WHERE}: {names} stopped responding (stopped, hung, or lost): {waited} for it, "
-        "then failed (its error is above). Every rank was then stopped.",
-        1,
-    )
-
-
 def _explain(exc: BaseException, join_timeout: int) -> str:
     """The end of a failed job's report, after torchrun's own (for errors that are not a rank's)."""
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
@@ -395,12 +314,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         _watch(host, port, patience=args.join_timeout)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from pardist import _segments
+    from pardist import _failures, _segments
 
     try:
         run(args)
     except ChildFailedError as exc:  # a rank failed: say which, and why, in one line
-        line, code = _explain_failure(exc)
+        line, code = _failures.explain(exc, WHERE)
         print(line, file=sys.stderr, flush=True)
         raise SystemExit(code) from None
     except Exception as exc:  # noqa: BLE001 - report, then fail like torchrun

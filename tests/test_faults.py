@@ -128,7 +128,12 @@ def test_crash_without_restarts_stops_every_rank_and_names_the_failing_one(tmp_p
     )
     assert out.returncode != 0
     assert "pardist.launch: rank 1 (local rank 1" in out.stderr  # named, in one line
-    assert "RuntimeError: injected crash on rank 1 at step 2" in out.stderr
+    assert (
+        "failed first: RuntimeError: injected crash on rank 1 at step 2 (its traceback is above)"
+        in out.stderr
+    )
+    assert "Traceback (most recent call last)" in out.stderr  # ...and it is above
+    assert "ChildFailedError" not in out.stderr  # torchrun's table is not
     alive = []
     for f in pids.iterdir():
         try:
