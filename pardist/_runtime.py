@@ -242,13 +242,31 @@ def shutdown() -> None:
         hook()
     _faults.forget_labels()
     if _owns_group and is_initialized():
-        # Garbage that still holds the group goes first: a torch DDP model sits in a
-        # reference cycle until the collector runs, and its reducer keeps the gloo group
-        # (and its threads) alive past destroy_process_group, to be torn down during
-        # interpreter exit, where it can hang or abort the process.
-        gc.collect()
         dist.destroy_process_group()
+        if _backend_threads():
+            # Garbage still holds the group: a torch DDP model sits in a reference cycle
+            # until the collector runs, and its reducer keeps the group (and its threads)
+            # alive. Left to the collection at interpreter exit, its threads are joined
+            # while the interpreter is half gone: the process hangs or aborts.
+            gc.collect()
     _owns_group = False
+
+
+def _backend_threads() -> int:
+    """This process's gloo / NCCL threads (all threads, where /proc cannot tell them apart)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read()
+        except OSError:
+            continue
+        count += "gloo" in name or "nccl" in name
+    return count
 
 
 @contextlib.contextmanager

@@ -133,6 +133,8 @@ class SharedMemoryGroup:
         self._data = region[: size * region_bytes + common_bytes]
         sync = region[size * region_bytes + common_bytes :]
         self._flags = sync[: size * _FLAG_BYTES].view(torch.int64).numpy()
+        stride = _FLAG_BYTES // 8
+        self._signatures = [self._flags[_SIGNATURE + p :: stride] for p in (0, 1)]  # by parity
         wake = sync[size * _FLAG_BYTES : size * _FLAG_BYTES + 4].view(torch.int32)
         self._wake, self._wake_address = wake.numpy(), wake.data_ptr()
         notes = sync[(size + 1) * _FLAG_BYTES : (size + 1) * _FLAG_BYTES + size * _NOTE_BYTES]
@@ -233,7 +235,7 @@ class SharedMemoryGroup:
             self._doing = what
         self._seq += 1
         self._wait(self._seq)
-        if any(flags[k * stride + _SIGNATURE + parity] != sig for k in range(self.size)):
+        if self._signatures[parity].tolist().count(sig) != self.size:
             self._disagree(what)
 
     def _wait(self, seq: int) -> None:

@@ -14,6 +14,7 @@ teardown), as a torchrun worker does, at a fraction of torchrun's start-up cost.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import socket
@@ -22,7 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint  # noqa: F401 - pardist.init imports it: once, before forking
+import torch._dynamo  # noqa: F401 - DDP imports these, pardist.init the checkpoint: once, before
+import torch.distributed.checkpoint  # noqa: F401 - the runs fork (seconds each, otherwise)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
 
@@ -65,6 +67,10 @@ def _start(rank: int, port: int) -> int:
 def drive(runs: int, timeout: float) -> int:
     """Run main() ``runs`` times at 2 ranks; return how many runs failed to exit cleanly."""
     torch.set_num_threads(1)
+    # What the parent imported is left out of the children's garbage collections: the
+    # last one, at interpreter exit, would otherwise walk all of torch (seconds each).
+    # What a run makes (DDP, its process group) is collected as in any process.
+    gc.freeze()
     failed = 0
     for run in range(runs):
         port = _free_port()
