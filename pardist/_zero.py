@@ -195,7 +195,7 @@ class ParamGather:
         """All-gather the updated rows; write full parameters (into ``params`` if in place)."""
         sources = []
         if self.arena is not None:
-            self.arena.barrier()  # every rank's row is written
+            self.arena.barrier(("pardist.optim.sharded (gathering parameters)",))  # rows written
             for b in self.buckets:
                 sources.append(self.arena.diagonal(b.arena_offset, b.row, b.dtype))
         else:

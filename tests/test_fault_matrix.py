@@ -258,7 +258,10 @@ def _set_up_a_segment_and_die(rank: int, where: str):
         _kill_self_after(os, "posix_fallocate", rank)
     else:  # this rank has mapped it, the others may not have
         _kill_self_after(torch, "from_file", rank)
-    SharedMemoryGroup.create(torch.distributed.group.WORLD, 2**20)
+    try:
+        SharedMemoryGroup.create(torch.distributed.group.WORLD, 2**20)
+    except RuntimeError as exc:  # a survivor: what it left, before anyone cleans up after it
+        raise RuntimeError(f"{exc}; left behind: {_ours([os.getpid()])}") from None
 
 
 def _ours(pids: list[int]) -> list[str]:
@@ -272,9 +275,12 @@ def _ours(pids: list[int]) -> list[str]:
 @pytest.mark.parametrize("rank, where", [(0, "created"), (1, "mapped")])
 def test_a_rank_killed_while_setting_up_shared_memory_leaves_nothing_behind(run, rank, where):
     pids = run(2, os.getpid)
-    with pytest.raises(SpawnError):
+    with pytest.raises(SpawnError) as info:
         run(2, _set_up_a_segment_and_die, rank, where)
-    assert pids and not _ours(pids)  # the creator (rank 0) removed it, or its launcher did
+    survivor = info.value.errors[1 - rank]
+    assert "pardist: setting up a shared-memory segment over axis 'gpu'" in survivor, survivor
+    assert survivor.rstrip().endswith("left behind: []"), survivor  # its own file is gone
+    assert pids and not _ours(pids)  # and the dead creator's, once the workers were stopped
 
 
 @pytest.mark.timeout(120)
