@@ -37,6 +37,7 @@ __all__ = [
 _owns_group = False
 _shutdown_hooks: list[Callable[[], None]] = []
 _atexit_registered = False
+_debug_level_before = None  # torch's debug level before PARDIST_DEBUG=1 raised it
 
 
 class GroupRef:
@@ -165,7 +166,7 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
         {'gpu': 1}
         >>> pardist.shutdown()
     """
-    global _owns_group
+    global _owns_group, _debug_level_before
     from pardist import _mesh  # the mesh layer sits above this one
 
     if not is_initialized():
@@ -180,12 +181,11 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
             getattr(torch, dev.type).set_device(dev)
         chosen = backend or _default_backend(dev)
         kwargs = dict(backend=chosen, timeout=_timeout(timeout))
-        if _debug() and not os.environ.get("TORCH_DISTRIBUTED_DEBUG"):
+        if _debug() and dist.get_debug_level() == dist.DebugLevel.OFF:
             # torch's own check that every rank's collective has the same shapes
             # (shared memory checks always): gloo would abort, NCCL could hang.
+            _debug_level_before = dist.get_debug_level()
             dist.set_debug_level(dist.DebugLevel.DETAIL)
-        else:
-            dist.set_debug_level_from_env()
         _faults.set_timeout(kwargs["timeout"].total_seconds())
         _faults.record_uncaught()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -234,7 +234,7 @@ def _attempt_store(timeout: datetime.timedelta):
 
 def shutdown() -> None:
     """Tear down the process group started by :func:`init` (a no-op otherwise)."""
-    global _owns_group
+    global _owns_group, _debug_level_before
     from pardist import _mesh
 
     _mesh.forget_default_mesh()
@@ -243,13 +243,15 @@ def shutdown() -> None:
     _faults.forget_labels()
     if _owns_group and is_initialized():
         dist.destroy_process_group()
+        if _debug_level_before is not None:
+            dist.set_debug_level(_debug_level_before)
         if _backend_threads():
             # Garbage still holds the group: a torch DDP model sits in a reference cycle
             # until the collector runs, and its reducer keeps the group (and its threads)
             # alive. Left to the collection at interpreter exit, its threads are joined
             # while the interpreter is half gone: the process hangs or aborts.
             gc.collect()
-    _owns_group = False
+    _owns_group, _debug_level_before = False, None
 
 
 def _backend_threads() -> int:
