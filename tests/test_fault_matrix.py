@@ -266,6 +266,15 @@ def test_a_rank_killed_while_setting_up_shared_memory_leaves_nothing_behind(run,
     assert pids and not _ours(pids)  # and the dead creator's, once the workers were stopped
 
 
+@pytest.mark.timeout(90)
+def test_the_launcher_removes_the_segment_of_a_rank_killed_while_making_it():
+    out, _ = launch("--nproc", 2, SCRIPTS / "die_in_setup.py", timeout=80)
+    assert out.returncode == 1, out.stderr[-3000:]
+    pid = int(re.search(r"rank 0 pid (\d+)", out.stdout).group(1))
+    assert f"rank 0 (local rank 0, pid {pid}) was killed by SIGKILL" in out.stderr
+    assert not _ours([pid])
+
+
 @pytest.mark.timeout(120)
 def test_a_script_mixing_pardist_and_ddp_exits_cleanly_ten_times():
     out = subprocess.run(
