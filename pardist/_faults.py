@@ -30,13 +30,18 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "CollectiveMismatch",
     "CollectiveTimeout",
     "collective_errors",
     "describe_group",
+    "forget_labels",
+    "hint",
     "label_group",
     "late_ranks_of",
     "record_uncaught",
+    "set_timeout",
+    "timeout_seconds",
 ]
 
 PROBE_S = 2.0  # how long a rank that timed out waits for the others to sign in
@@ -90,6 +95,7 @@ def describe_group(group_name: str, ranks: list[int] | None = None) -> str:
 
 
 def set_timeout(seconds: float | None) -> None:
+    """Remember the timeout ``init`` gave the process group (for messages and shared memory)."""
     global _timeout_s
     _timeout_s = seconds
 
