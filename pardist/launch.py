@@ -27,8 +27,8 @@ agent. What pardist adds, and why:
 * A failure names the rank that caused it, in one line: the rank that raised
   (its traceback is above, or in its log file), that exited with a code of its
   own, that was killed by a signal, or that stopped responding while the others
-  timed out waiting for it. torchrun's table of every rank's exit follows none of
-  these; a script's own clean error (``sys.exit(2)``) is passed on as its code.
+  timed out waiting for it, instead of torchrun's table of every rank's exit; a
+  script's own clean error (``sys.exit(2)``) is passed on as the launcher's exit code.
 * Shared-memory segments of workers that were killed are removed when the job ends.
 * The first node is found by address: the node that owns the rendezvous address
   hosts the store (torch's ``is_host``), which torch's hostname guess gets wrong
