@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pardist import _mesh, _primitives, _tree, _vma
+from pardist import _faults, _mesh, _primitives, _tree, _vma
 from pardist._primitives import AllGather, AllGatherInvariant, Pmax, Psum, PsumInvariant, Pvary
 
 __all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean", "psum", "pvary"]
@@ -315,7 +315,8 @@ def broadcast(tree: Any, axis: str | tuple[str, ...] = "gpu", *, src: int = 0) -
         v = state.get(x) if state is not None else None
         with _vma.paused():
             y = x.detach().clone(memory_format=torch.contiguous_format)
-            dist.broadcast(y, src=source, group=group)
+            with _faults.collective_errors("pardist.broadcast", group):
+                dist.broadcast(y, src=source, group=group)
         return state.set(y, v - frozenset(names)) if state is not None else y
 
     return _map(tree, "pardist.broadcast", send)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pardist import _shm
+from pardist import _faults, _shm
 
 __all__ = [
     "AllGather",
@@ -52,9 +52,12 @@ def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
         if shm is not None:
             shm.all_reduce(y, op)
         else:
-            dist.all_reduce(
-                y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
-            )
+            with _faults.collective_errors(
+                f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}", group
+            ):
+                dist.all_reduce(
+                    y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
+                )
     return y
 
 
@@ -66,7 +69,8 @@ def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
             torch.empty_like(x, memory_format=torch.contiguous_format)
             for _ in range(dist.get_world_size(group))
         ]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        with _faults.collective_errors("pardist.all_gather", group):
+            dist.all_gather(parts, x.contiguous(), group=group)
     return parts
 
 
@@ -202,7 +206,8 @@ class PsumScatter(torch.autograd.Function):
             return total.narrow(dim, dist.get_rank(group) * block, block).clone()
         moved = x.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-        _reduce_scatter(out, moved, group=group)
+        with _faults.collective_errors("pardist.psum_scatter", group):
+            _reduce_scatter(out, moved, group=group)
         return out.movedim(0, dim)
 
     @staticmethod
@@ -274,7 +279,8 @@ class AllToAll(torch.autograd.Function):
             received = [theirs[me] for theirs in everyone]
         else:
             out = torch.empty_like(blocks)
-            dist.all_to_all_single(out, blocks, group=group)
+            with _faults.collective_errors("pardist.all_to_all", group):
+                dist.all_to_all_single(out, blocks, group=group)
             received = list(out.unbind(0))
         return torch.cat([b.movedim(0, split_dim) for b in received], dim=concat_dim)
 

@@ -49,6 +49,25 @@ def _show(description: Any) -> str:
     return repr(rest[0])
 
 
+def _listed(paths: list[str]) -> str:
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return f"{shown} {'is' if len(paths) == 1 else 'are'}"
+
+
+def _structure(first: list, theirs: list, r0: int, r: int) -> str | None:
+    """How two ranks' leaf paths differ (keys one rank has and the other lacks), or None."""
+    a, b = [path for path, _ in first], [path for path, _ in theirs]
+    if a == b:
+        return None
+    only_a = [p for p in a if p not in set(b)]
+    only_b = [p for p in b if p not in set(a)]
+    parts = [f"{_listed(only)} only on rank {k}" for only, k in ((only_b, r), (only_a, r0)) if only]
+    detail = "; ".join(parts) or "the same leaves come in a different order"
+    if len(a) != len(b):
+        return f"the tree has {len(a)} leaves on rank {r0} but {len(b)} on rank {r}: {detail}"
+    return f"the trees differ between rank {r0} and rank {r}: {detail}"
+
+
 def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | None:
     """Compare ``[(path, leaf)]`` across ``group``; describe the first difference, or None.
 
@@ -61,11 +80,9 @@ def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | No
     gathered: list[Any] = [None] * len(ranks)
     dist.all_gather_object(gathered, mine, group=group)
     for r, theirs in zip(ranks[1:], gathered[1:]):
-        if len(theirs) != len(gathered[0]):
-            return (
-                f"the tree has {len(gathered[0])} leaves on rank {ranks[0]} but "
-                f"{len(theirs)} on rank {r}"
-            )
+        structure = _structure(gathered[0], theirs, ranks[0], r)
+        if structure:
+            return structure
         for (path, a), (_, b) in zip(gathered[0], theirs):
             if a != b:
                 return f"{path} is {_show(a)} on rank {ranks[0]} but {_show(b)} on rank {r}"
