@@ -45,11 +45,18 @@ def _first_line(text: str) -> str:
 
 
 def _failed_by_itself(failure) -> bool:
-    """Whether a rank failed on its own, not by the launcher's SIGTERM or waiting for another."""
+    """Whether a late rank failed on its own, not by the launcher or by waiting for another.
+
+    Only asked about ranks that another rank timed out waiting for. The launcher
+    stops the others with SIGTERM, then SIGKILL after a grace period: a rank that
+    is stopped (SIGSTOP, a debugger) or stuck in C code cannot act on SIGTERM, so
+    SIGKILL here is the launcher's, not the out-of-memory killer's (a rank killed
+    before the others time out is reported first, and never gets here).
+    """
     message, extra = _recorded(failure)
     if message is not None:
         return "pardist_late_ranks" not in extra
-    return failure.exitcode > 0 or failure.signal_name() != "SIGTERM"
+    return failure.exitcode > 0 or failure.signal_name() not in ("SIGTERM", "SIGKILL")
 
 
 def _culprit_line(rank: int, failures: dict) -> str:

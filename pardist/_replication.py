@@ -124,11 +124,9 @@ def layout_mismatch(named: list, specs: list, mesh, axes) -> str | None:
     dist.all_gather_object(everyone, mine, group=group)
     first = everyone[0]
     for r, theirs in zip(ranks[1:], everyone[1:]):
-        if [p for p, _, _ in theirs] != [p for p, _, _ in first]:
-            return (
-                f"rank {ranks[0]} passes the leaves {[p for p, _, _ in first]} but rank {r} "
-                f"passes {[p for p, _, _ in theirs]}"
-            )
+        structure = _structure([e[:2] for e in first], [e[:2] for e in theirs], ranks[0], r)
+        if structure:
+            return structure
         for (path, spec0, block0), (_, spec1, block1) in zip(first, theirs):
             if (spec0, block0) != (spec1, block1):
                 shape = lambda b: "" if b is None else f" with block shape {b}"  # noqa: E731

@@ -122,7 +122,7 @@ def _an_extra_key_on_rank_1():
 @TRANSPORTS
 def test_an_extra_key_on_one_rank_is_named(run, env):
     for message in run(2, _an_extra_key_on_rank_1, env=env):
-        assert "the tree has 20 leaves on rank 0 but 21 on rank 1" in message
+        assert "the tree has 21 leaves on rank 0 but 22 on rank 1" in message  # params + batch
         assert "args[0]['extra'] is only on rank 1" in message
 
 
