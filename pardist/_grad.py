@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pardist import _collectives, _microbatch, _tree
 from pardist._context import StepContext, current_step
+from pardist._layout import laid_out_like
 from pardist._reducer import Reducer
 from pardist._zero import ScatterReducer, signature
 
@@ -109,7 +110,7 @@ def _as_shard(local: torch.Tensor, like: torch.Tensor, ctx: StepContext) -> DTen
 
 def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
     key = (
-        tuple((t.shape, t.dtype, t.device) for t in like),
+        tuple((t.shape, t.stride(), t.dtype, t.device) for t in like),
         ctx.axis,
         ctx.compression,
         ctx.overlap,
@@ -228,7 +229,8 @@ def _compute(
         elif local_sum[i] is None:
             grads.append(torch.zeros_like(t))
         else:
-            grads.append(local_sum[i] / accumulate if accumulate > 1 else local_sum[i])
+            g = local_sum[i] / accumulate if accumulate > 1 else local_sum[i]
+            grads.append(laid_out_like(g, t))  # the parameter's strides, as .grad has
     if reduce and hand.carry:
         # The global mean loss, copied out: callers keep losses, not bucket views.
         value, mean_done = reduced[0].to(values[0].dtype, copy=True), True
@@ -276,6 +278,14 @@ def _regroup(grads: list, flat: list, treedefs: list) -> Any:
     return out[0] if len(out) == 1 else tuple(out)
 
 
+def _laid_out_like_args(grads: Any, args: tuple, nums) -> Any:
+    """torch.func's gradients with their arguments' strides (in the outermost call)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return grads  # wrapped tensors of an enclosing transform: its own call lays them out
+    like = args[nums] if isinstance(nums, int) else tuple(args[n] for n in nums)
+    return _tree.tree_map(laid_out_like, grads, like)
+
+
 def _compute_functorch(
     f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
 ):
@@ -302,10 +312,13 @@ def _compute_functorch(
         )(*margs)
         value, aux = out if has_aux else (out, None)
         results.append((value, aux, g))
+    nums = nums if len(nums) > 1 else nums[0]
     if accumulate == 1:
-        return (*results[0], False)
+        value, aux, grads = results[0]
+        return value, aux, _laid_out_like_args(grads, args, nums), False
     grads = _tree.tree_map(lambda *gs: sum(gs) / accumulate, *[r[2] for r in results])
     value = torch.stack([r[0] for r in results]).mean()
+    grads = _laid_out_like_args(grads, args, nums)
     return value, _microbatch.stack([r[1] for r in results]), grads, False
 
 
@@ -349,7 +362,10 @@ def grad(
     @functools.wraps(f)
     def grad_f(*args, **kwargs):
         if current_step() is None and accumulate == 1:
-            return torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
+            out = torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
+            if has_aux:
+                return _laid_out_like_args(out[0], args, argnums), out[1]
+            return _laid_out_like_args(out, args, argnums)
         _, aux, grads, _ = _compute(
             f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
         )
@@ -387,7 +403,7 @@ def value_and_grad(
         ctx = current_step()
         if ctx is None and accumulate == 1:
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
-            return out, grads
+            return out, _laid_out_like_args(grads, args, argnums)
         value, aux, grads, mean_done = _compute(
             f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
         )
