@@ -28,7 +28,8 @@ class Transposed(nn.Module):
         self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
 
     def forward(self, x):
-        return x @ self.weight.t()  # the gradient of .t() is the transpose of a contiguous one
+        # The backward of .t() transposes the contiguous gradient of the copy.
+        return x @ self.weight.t().contiguous()
 
 
 def model() -> nn.Module:
@@ -155,18 +156,29 @@ def test_grad_outside_a_step_has_the_parameters_layout():
 
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
 def test_optimizers_with_mismatched_layouts(opt_name):
-    # Gradients and state in any layout (a state loaded from a checkpoint is
-    # contiguous): the update is torch's, element for element.
+    # Gradients and state in any layout: the update is torch's, element for element.
+    # The state starts contiguous and non-zero (as one loaded from a checkpoint).
     torch.manual_seed(0)
-    p = torch.randn(4, 3, 2, 5).contiguous(memory_format=torch.channels_last)
+    p = torch.randn(4, 3, 2, 5)
     grads = [torch.randn(4, 3, 2, 5), torch.randn(5, 2, 3, 4).permute(3, 2, 1, 0)] * 2
     reference = p.clone().requires_grad_()
     torch_opt = OPTIMIZERS[opt_name][1]([reference])
     opt = OPTIMIZERS[opt_name][0]()
     params = {"w": p}
-    state = opt.init({"w": p.contiguous()})  # state contiguous, parameter channels_last
-    for g in grads:
+    state = opt.init(params)
+    for i, g in enumerate(grads):
         reference.grad = g
         torch_opt.step()
         params, state = opt.update({"w": g}, state, params)
+        if i == 0:  # from now on the parameter is channels_last, its state is not
+            params = {"w": params["w"].contiguous(memory_format=torch.channels_last)}
         torch.testing.assert_close(params["w"], reference.detach(), **TOL)
+
+
+def test_the_models_gradients_are_not_laid_out_like_their_parameters_by_themselves():
+    # What the tests above would miss if autograd happened to give matching layouts.
+    net = model()
+    x, y = batch(0)
+    params = [p for p in net.parameters()]
+    grads = torch.autograd.grad(F.cross_entropy(net(x), y), params)
+    assert not all(dense(g, p) for g, p in zip(grads, params))
