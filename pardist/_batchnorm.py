@@ -26,6 +26,7 @@ module and the fix ``sync_bn=False``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import types
 
@@ -59,32 +60,35 @@ _PARSERS = {F.batch_norm: _functional_args, torch.batch_norm: _torch_args}
 
 
 def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
-    """Global per-channel (count, mean, biased variance) of ``x`` over ``axis``, in float64.
+    """Global per-channel count, mean and biased variance of ``x`` over ``axis``.
 
-    Shapes (1,), (C,), (C,). ``where()`` names the call for errors.
+    float64 tensors of shapes (1,), (C,), (C,). ``where()`` names the call.
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
-    if count:
-        stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-        var, mean = torch.var_mean(x.to(stat), [0, *range(2, x.dim())], correction=0)
-        mean, var = mean.double(), var.double()
-    else:  # an empty shard contributes nothing (var_mean would give NaN)
-        var = mean = x.new_zeros(channels, dtype=torch.float64)
-    n = torch.full((1,), float(count), dtype=torch.float64, device=x.device)
-    # Sums, not means, so that one psum combines them. In float64, the sum of
-    # squares less N * mean^2 keeps the variance to ~1e-16 * mean^2 / var.
-    total = _collectives.psum(torch.cat([n, count * mean, count * (var + mean * mean)]), axis)
-    global_count = total[:1]
-    if count <= 1 and float(global_count) <= 1:  # with 2+ rows here, there are 2+ in all
+    if count and x.dtype in (torch.float32, torch.float64):
+        # torch's own batch-norm statistics kernel (a two-pass mean and biased
+        # variance): 2-5x faster than var_mean's Welford on CPU.
+        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+    elif count:  # half precision: float32 statistics, as torch's kernels keep them
+        var, mean = torch.var_mean(x.float(), [0, *range(2, x.dim())], correction=0)
+    else:  # an empty shard contributes nothing (the kernels refuse empty inputs)
+        var = mean = x.new_zeros(channels)
+    # Sums (count, sum, sum of squares), so that one psum combines uneven shards,
+    # in float64: the sum of squares less N * mean^2 then keeps the variance to
+    # ~1e-16 * mean^2 / var, and the local moments came from a stable kernel.
+    mean, var = mean.double(), var.double()
+    local = torch.cat([mean.new_ones(1), mean, torch.addcmul(var, mean, mean)]).mul_(count)
+    total = _collectives.psum(local, axis)
+    if count <= 1 and float(total[0]) <= 1:  # with 2+ rows here, there are 2+ in all
         raise ValueError(
             f"{where()}: batch norm over the global batch needs more than 1 value per channel "
-            f"when training; the step's ranks hold {float(global_count):.0f} in all (input "
+            f"when training; the step's ranks hold {float(total[0]):.0f} in all (input "
             f"shape {tuple(x.shape)} on this rank)."
         )
-    mean = total[1 : 1 + channels] / global_count
-    var = (total[1 + channels :] / global_count - mean * mean).clamp(min=0)
-    return global_count, mean, var
+    moments = total[1:] / total[:1]
+    mean = moments[:channels]
+    return total[:1], mean, (moments[channels:] - mean * mean).clamp_(min=0)
 
 
 def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -108,10 +112,10 @@ class _BatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(x, weight, bias, eps, axis, where):
         count, mean, var = _statistics(x, axis, where)
-        stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = torch.batch_norm(
-            x, weight, bias, mean.to(stat), var.to(stat), False, 0.0, eps, True
-        )  # eval mode: normalise with the statistics given
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = torch.batch_norm(  # eval mode: it normalises with the statistics it is given
+            x, weight, bias, mean.to(compute), var.to(compute), False, 0.0, eps, True
+        )
         return y, count, mean, var
 
     @staticmethod
@@ -126,24 +130,32 @@ class _BatchNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g, *_):
         x, weight, count, mean, var = ctx.saved_tensors
-        stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-        mean_, var_ = mean.to(stat), var.to(stat)
         channels = x.shape[1]
-        if x.numel():
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if x.numel():  # sum(g * xhat), sum(g) over this rank's rows, in one pass
+            stats = mean.to(compute), var.to(compute)
             _, dw, db = torch.ops.aten.native_batch_norm_backward(
-                g, x, weight, mean_, var_, None, None, False, ctx.eps, [False, True, True]
-            )  # sum(g * xhat), sum(g) over this rank's rows
+                g, x, weight, *stats, None, None, False, ctx.eps, [False, True, True]
+            )
         else:  # (torch's kernel divides by zero on an empty input)
-            dw = db = g.new_zeros(channels, dtype=stat)
-        total = _collectives.psum(torch.cat([db, dw]).double(), ctx.axis) / count
+            dw = db = g.new_zeros(channels, dtype=compute)
+        # Per-channel factors in float64 (C values): with few rows per channel the
+        # terms of dx nearly cancel, and float32 factors would show in it.
+        sums = _collectives.psum(torch.cat([db, dw]).double(), ctx.axis).div_(count)
         invstd = torch.rsqrt(var + ctx.eps)
         k = invstd if weight is None else invstd * weight.double()
-        a = k * invstd * total[channels:]  # the xhat term, per unit of (x - mean)
-        b = k * total[:channels] - a * mean
-        dx = torch.addcmul(_per_channel(-b.to(stat), x), g, _per_channel(k.to(stat), x))
-        dx = dx.addcmul_(x, _per_channel(-a.to(stat), x)).to(x.dtype)
+        a = (k * invstd).mul_(sums[channels:])  # the xhat term, per unit of (x - mean)
+        shift = torch.addcmul(k * sums[:channels], a, mean, value=-1).neg_()
+        factors = torch.cat([shift, k, a]).to(compute)
+        shift, k, a = (_per_channel(f, x) for f in factors.split(channels))
+        dx = torch.addcmul(shift, g, k).addcmul_(x, a, value=-1).to(x.dtype)
         grad_w, grad_b = (None if d is None else t.to(d) for t, d in zip((dw, db), ctx.dtypes))
         return dx, grad_w, grad_b, None, None, None
+
+
+# torch.autograd.Function.apply binds arguments with inspect.signature on every call
+# (100+ us); a signature computed once is what inspect.signature then returns.
+_BatchNorm.forward.__signature__ = inspect.signature(_BatchNorm.forward)
 
 
 def cross_replica_batch_norm(

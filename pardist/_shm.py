@@ -342,4 +342,3 @@ class SharedMemoryGroup:
             else:
                 torch.maximum(out, part, out=out)
         return out.view(t.shape)
-
