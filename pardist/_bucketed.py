@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pardist import _microbatch, _perrank, _tree, _vma
 from pardist._context import StepContext
+from pardist._layout import laid_out_like
 from pardist._reducer import Reducer
 from pardist._zero import ScatterReducer, signature
 
@@ -84,7 +85,11 @@ class Call:
             elif local[i] is None:
                 out.append(torch.zeros_like(t))
             else:
-                out.append(local[i] / k if k > 1 else local[i])
+                g = local[i] / k if k > 1 else local[i]
+                # The parameter's strides, as .grad has them; inside an enclosing
+                # transform the tensors are wrapped, and its own call lays them out.
+                outer = torch._C._functorch.peek_interpreter_stack() is not None
+                out.append(g if outer else laid_out_like(g, t))
         return out
 
     def with_inputs(self, margs: tuple, inputs: list) -> list:
@@ -146,7 +151,7 @@ def _as_shard(local: torch.Tensor, like: torch.Tensor, ctx: StepContext) -> DTen
 
 def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
     key = (
-        tuple((t.shape, t.dtype, t.device) for t in like),
+        tuple((t.shape, t.stride(), t.dtype, t.device) for t in like),
         ctx.axis,
         ctx.compression,
         ctx.overlap,

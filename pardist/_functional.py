@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pardist._batchnorm import convert_batchnorm
+from pardist import _batchnorm
 from pardist._context import current_step
 
 __all__ = ["functional"]
@@ -114,8 +114,8 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
     params = {name: p.detach().clone() for name, p in module.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     skeleton = _meta_skeleton(module)
-    if sync_bn:
-        skeleton = convert_batchnorm(skeleton)
+    where = f"pardist.functional({type(module).__name__})"
+    _batchnorm.prepare(skeleton, where)
     slots = _Slots(skeleton)
     mode = {"train": skeleton.training}
 
@@ -124,7 +124,9 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
             skeleton.train(train)
             mode["train"] = train
         new_buffers = {name: b.clone() for name, b in buffers.items()}
-        out = slots.call(params, new_buffers, inputs, kwargs)
+        # Batch statistics over the step's axis, for every batch norm (see _batchnorm).
+        with _batchnorm.synchronised(skeleton if sync_bn else None, train and sync_bn, where):
+            out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
             # Averaged over the axis by the end of the step, in place: with the

@@ -27,6 +27,7 @@ import torch.func
 from pardist import _bucketed, _collectives, _microbatch, _perrank, _tree, _vma
 from pardist._bucketed import Call
 from pardist._context import current_step
+from pardist._layout import laid_out_like
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -156,6 +157,14 @@ def _regroup(grads: list, flat: list) -> Any:
         out.append(_tree.tree_unflatten(grads[start : start + len(part)], treedef))
         start += len(part)
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _laid_out_like_args(grads: Any, args: tuple, nums) -> Any:
+    """torch.func's gradients with their arguments' strides (in the outermost call)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return grads  # wrapped tensors of an enclosing transform: its own call lays them out
+    like = args[nums] if isinstance(nums, int) else tuple(args[n] for n in nums)
+    return _tree.tree_map(laid_out_like, grads, like)
 
 
 def _compute_functorch(call: Call, ctx, leaves: list):
@@ -291,7 +300,10 @@ def grad(
     @functools.wraps(f)
     def grad_f(*args, **kwargs):
         if current_step() is None and accumulate == 1:
-            return torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
+            out = torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
+            if has_aux:
+                return _laid_out_like_args(out[0], args, argnums), out[1]
+            return _laid_out_like_args(out, args, argnums)
         _, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return (grads, aux) if has_aux else grads
 
@@ -333,7 +345,7 @@ def value_and_grad(
     def value_and_grad_f(*args, **kwargs):
         if current_step() is None and accumulate == 1:
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
-            return out, grads
+            return out, _laid_out_like_args(grads, args, argnums)
         value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return ((value, aux) if has_aux else value), grads
 

@@ -48,6 +48,11 @@ def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
     """A reduced copy of ``x``: via shared memory for CPU ranks on one host, else the backend."""
     y = x.detach().clone(memory_format=torch.contiguous_format)
     for group in groups:
+        small = y.device.type == "cpu" and y.numel() * y.element_size() <= _shm.SMALL_BYTES
+        shm = _shm.for_small_sums(group) if small else None
+        if shm is not None:  # one barrier, not three (batch-norm statistics, losses)
+            y = shm.small_all_reduce(y, op)
+            continue
         shm = _shared(y, group)
         if shm is not None:
             shm.all_reduce(y, op)

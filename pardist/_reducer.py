@@ -5,7 +5,8 @@ parameter order. Each is divided by the number of contributions and written
 into a persistent flat bucket (~25 MB, the first ~1 MB so that communication can
 start early); a full bucket is all-reduced asynchronously while the backward
 goes on (``overlap``), always in bucket order so every rank issues the same
-collectives in the same order. The returned gradients are views of the buckets.
+collectives in the same order. The returned gradients are views of the buckets
+with their parameters' strides (channels_last stays channels_last), as DDP's are.
 
 Buckets are reused from step to step: a fresh 100 MB buffer per step costs page
 faults that dwarf the reduction. A bucket whose storage is still referenced by a
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pardist import _faults
+from pardist._layout import dense_strides
 from pardist._runtime import GroupRef
 from pardist._shm import ALIGN, SharedMemoryGroup
 
@@ -91,6 +93,7 @@ class _Slot:
     offset: int
     numel: int
     shape: torch.Size
+    stride: tuple[int, ...]  # the parameter's (dense) strides: DDP's gradient layout contract
 
 
 class _Bucket:
@@ -189,7 +192,10 @@ class Reducer:
         self.buckets, places = assign(
             like, lambda t: t.numel(), 1, comm_dtype, bucket_bytes, first_bucket_bytes
         )
-        self.slots = [_Slot(b, offset, t.numel(), t.shape) for (b, offset), t in zip(places, like)]
+        self.slots = [
+            _Slot(b, offset, t.numel(), t.shape, dense_strides(t))
+            for (b, offset), t in zip(places, like)
+        ]
 
     def _share_cpu_buckets(self, group) -> None:
         """Put CPU buckets in shared memory if the group shares a host (else None)."""
@@ -275,7 +281,7 @@ class Reducer:
     def _view(self, i: int) -> torch.Tensor:
         slot = self.slots[i]
         flat = self.buckets[slot.bucket].buffer
-        return flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+        return flat.narrow(0, slot.offset, slot.numel).as_strided(slot.shape, slot.stride)
 
     def add(self, i: int, grad: torch.Tensor, divisor: float | None = None) -> None:
         """Contribute the local gradient of tensor ``i`` (called from the backward).
@@ -284,10 +290,12 @@ class Reducer:
         """
         view = self._view(i)
         scale = self._scale if divisor is None else divisor
+        if grad.shape != view.shape:
+            grad = grad.reshape(view.shape)
         if self._written[i]:
-            view.add_(grad.reshape(view.shape), alpha=1.0 / scale)
+            view.add_(grad, alpha=1.0 / scale)
         else:
-            torch.div(grad.reshape(view.shape), scale, out=view)
+            torch.div(grad, scale, out=view)
             self._written[i] = True
         if self._last:
             bucket = self.buckets[self.slots[i].bucket]

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from pardist import _faults, _runtime, _segments
 from pardist._futex import futex_wait, futex_wake
 
-__all__ = ["SharedMemoryGroup", "for_collectives"]
+__all__ = ["SharedMemoryGroup", "for_collectives", "for_small_sums"]
 
 _FLAG_BYTES = 64  # per rank, one cache line: counter, 2 exchange slots, 2 signature slots
 _NOTE_BYTES = 256  # per rank: what it was doing, written only when the ranks disagree
@@ -71,6 +71,24 @@ def for_collectives(group: dist.ProcessGroup) -> SharedMemoryGroup | None:
 
 
 _runtime.on_shutdown(_collective_groups.clear)  # names are reused by the next init
+
+SMALL_BYTES = 64 * 2**10  # largest tensor for small_all_reduce (batch-norm statistics)
+_small_groups: dict[str, SharedMemoryGroup | None] = {}  # by group name
+
+
+def for_small_sums(group: dist.ProcessGroup) -> SharedMemoryGroup | None:
+    """The shared-memory group for :meth:`SharedMemoryGroup.small_all_reduce` over ``group``.
+
+    A group of its own: its regions are written by nothing else, which is what
+    lets a small all-reduce return without waiting for the others to read.
+    """
+    name = group.group_name
+    if name not in _small_groups:
+        _small_groups[name] = SharedMemoryGroup.create(group, 2 * SMALL_BYTES)
+    return _small_groups[name]
+
+
+_runtime.on_shutdown(_small_groups.clear)
 
 
 def _host_identity() -> tuple[str, int]:
@@ -401,3 +419,28 @@ class SharedMemoryGroup:
         out = [self.view(k, 0, t.numel(), t.dtype).clone().view(t.shape) for k in range(self.size)]
         self.barrier()
         return out
+
+    def small_all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The sum (or max) of a small CPU tensor over the group, after one barrier.
+
+        Each rank writes its copy into its region, waits for the others once, and
+        combines every region in rank order (identical results on every rank).
+        Calls alternate between two halves of the regions: a rank that hurries on
+        writes the other half, and it reaches this half again only after the next
+        call's barrier, which waits until everyone has read it. Only this method
+        may use the group (see :func:`for_small_sums`); ``t`` fits half a region.
+        """
+        flat = t.reshape(-1)
+        half = self.region_bytes // 2
+        offset = (self._seq % 2) * half  # the barrier count alternates with the calls
+        self.view(self.index, offset, flat.numel(), flat.dtype).copy_(flat)
+        name = "pardist.psum / pmean" if op == "sum" else "pardist.pmax"
+        self.barrier((name, t.dtype, tuple(t.shape), op))  # every rank the same shape and dtype
+        parts = [self.view(k, offset, flat.numel(), flat.dtype) for k in range(self.size)]
+        out = parts[0].clone()
+        for part in parts[1:]:
+            if op == "sum":
+                out.add_(part)
+            else:
+                torch.maximum(out, part, out=out)
+        return out.view(t.shape)

@@ -205,9 +205,14 @@ class ParamGather:
                 sources.append(block)
         out = []
         for p, col in zip(params, self.columns):
-            keep = in_place and p.is_contiguous()
-            target = p if keep else torch.empty_like(p, memory_format=torch.contiguous_format)
-            _unpack(sources[col.bucket], col, target.view(-1))
+            if p.is_contiguous():
+                target = p if in_place else torch.empty_like(p)
+                _unpack(sources[col.bucket], col, target.view(-1))
+            else:  # shards are in logical order; the parameter keeps its layout (channels_last)
+                flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+                _unpack(sources[col.bucket], col, flat)
+                target = p if in_place else torch.empty_like(p)
+                target.copy_(flat.view(p.shape))
             out.append(target)
         if self.arena is not None:
             self.arena.barrier()  # nobody rewrites a row another rank still reads

@@ -88,7 +88,7 @@ def adamw(
             amsgrad=amsgrad,
             maximize=maximize,
         )
-        if foreach is None and fused_ok(p, fused):
+        if foreach is None and fused_ok(p, fused, g, m, v, vmax):
             _fused(p, g, m, v, vmax or [], step, decoupled, options)
         else:
             steps = [torch.tensor(float(step - 1)) for _ in p]  # torch adds the 1

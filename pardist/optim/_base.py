@@ -16,6 +16,7 @@ import torch
 
 from pardist import _tree
 from pardist._context import is_donated
+from pardist._layout import is_dense, laid_out_like, same_layout
 
 __all__ = ["GradientTransformation", "Optimizer", "chain", "schedule_value"]
 
@@ -83,7 +84,11 @@ def schedule_value(value: float | Callable[[int], float], count: torch.Tensor) -
 
 
 def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
-    """Flat (grads, params, treedef), checking that the two trees have one structure."""
+    """Flat (grads, params, treedef), checking that the two trees have one structure.
+
+    Each gradient comes back laid out like its parameter (copied where the strides
+    differ): torch's fused kernels walk both memories in step.
+    """
     p_leaves, treedef = _tree.tree_flatten(params)
     g_leaves, g_def = _tree.tree_flatten(grads)
     if g_def != treedef:
@@ -94,6 +99,7 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
     if not all(isinstance(p, torch.Tensor) for p in p_leaves):
         _tree.check_tensor_leaves(params, where=where, name="params")  # names the leaf
     if all(isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(g_leaves, p_leaves)):
+        g_leaves = [laid_out_like(g, p) for g, p in zip(g_leaves, p_leaves)]
         return g_leaves, p_leaves, treedef  # the common case, without building key paths
     for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), p_leaves):
         if not isinstance(g, torch.Tensor) or g.shape != p.shape:
@@ -117,11 +123,25 @@ def next_count(count: torch.Tensor, in_place: bool) -> torch.Tensor:
     return count.add_(1) if in_place else count + 1
 
 
-def fused_ok(tensors: list[torch.Tensor], fused: bool | None) -> bool:
-    """Use torch's fused kernels where the caller allows it and the device has them."""
+def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list | None) -> bool:
+    """Use torch's fused kernels where the caller allows it and the device has them.
+
+    Those kernels walk each parameter's memory and that of its gradient and state
+    (``alongside``: lists like ``tensors``, or None) in step, ignoring strides: a
+    dense parameter and the same strides everywhere are needed, or the update is
+    silently wrong. Otherwise torch's foreach / for-loop code runs, which indexes.
+    """
     if fused is False:
         return False
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     supported = set(_get_fused_kernels_supported_devices())
-    return all(t.is_floating_point() and t.device.type in supported for t in tensors)
+    if not all(t.is_floating_point() and t.device.type in supported for t in tensors):
+        return False
+    if all(t.is_contiguous() for t in tensors) and all(
+        t is None or t.is_contiguous() for ts in alongside if ts for t in ts
+    ):
+        return True  # the common case, cheaply
+    return all(is_dense(t) for t in tensors) and all(
+        t is None or same_layout(t, p) for ts in alongside if ts for t, p in zip(ts, tensors)
+    )

@@ -81,7 +81,7 @@ def sgd(
             dampening=dampening,
             nesterov=nesterov,
             maximize=maximize,
-            fused=fused_ok(p, fused) if foreach is None else False,
+            fused=fused_ok(p, fused, g, buffers) if foreach is None else False,
             foreach=foreach,
         )
         new_buffers = _tree.tree_unflatten(buffers, treedef) if momentum else None

@@ -1,0 +1,269 @@
+"""Cross-replica batch norm for every module that normalises with batch statistics.
+
+N ranks against plain torch in one process on the concatenated batch, on both
+transports: nn.BatchNorm, a subclass with its own forward (timm's BatchNormAct2d
+pattern), modules calling F.batch_norm / torch.batch_norm, nn.SyncBatchNorm, empty
+shards, large means, bf16. What cannot be made cross-replica raises, naming the
+module. Outside a step and in eval mode, ``apply`` is the module itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pardist
+
+TRANSPORTS = {"shm": None, "gloo": {"PARDIST_SHM": "0"}}
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class NormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d pattern: batch norm, then an activation, in its own forward."""
+
+    def forward(self, x):
+        return F.silu(super().forward(x))
+
+
+class Direct(nn.Module):
+    """Normalises with F.batch_norm and torch.batch_norm itself, with its own buffers."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(c))
+        self.register_buffer("var", torch.ones(c))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, c))
+
+    def forward(self, x):
+        x = F.batch_norm(x, self.mean, self.var, self.scale, None, self.training, 0.3, 1e-3)
+        return torch.batch_norm(x, None, None, None, None, True, 0.0, 1e-5, False)
+
+
+def net(norm=NormAct, channels_last: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        norm(6),
+        nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=2),
+        Direct(6),
+        nn.BatchNorm2d(6, momentum=None),  # cumulative average
+        nn.BatchNorm2d(6, affine=False, track_running_stats=False),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 5),
+        nn.BatchNorm1d(5),
+    )
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def data(n: int = 12):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, 3, 8, 8, generator=g) * 2 + 0.5, torch.randint(0, 5, (n,), generator=g)
+
+
+def one_process(model: nn.Module, x, y, steps: int = 2):
+    """Plain torch: loss, parameter gradients and input gradients of the first step;
+    buffers after ``steps`` forward passes."""
+    x = x.clone().requires_grad_()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    for _ in range(steps - 1):
+        model(x)
+    return float(loss), grads, x.grad, {k: b.clone() for k, b in model.named_buffers()}
+
+
+def on_ranks(sizes, norm=NormAct, channels_last=False, steps: int = 2):
+    """pardist, rank r holding ``sizes[r]`` rows of the same batch."""
+    apply, params, buffers = pardist.functional(net(norm, channels_last))
+    x, y = data(sum(sizes))
+    r = pardist.rank()
+    x, y = x.split(sizes)[r], y.split(sizes)[r]
+
+    def loss_fn(p, b, x, y):
+        out, nb = apply(p, b, x)
+        # the global mean: this rank's sum over the global count, summed over ranks
+        return F.cross_entropy(out, y, reduction="sum") * len(sizes) / sum(sizes), nb
+
+    P = pardist.P
+    specs = dict(in_specs=(P(), P(), P("gpu"), P("gpu")), out_specs=(P(), P(), P("gpu"), P()))
+
+    @pardist.data_parallel(**specs)
+    def step(p, b, x, y):
+        (loss, nb), (g, gx) = pardist.value_and_grad(loss_fn, (0, 2), has_aux=True)(p, b, x, y)
+        return loss, g, gx, nb
+
+    loss, grads, gx, new = step(params, buffers, x, y)
+    for _ in range(steps - 1):
+        _, _, _, new = step(params, new, x, y)
+    return float(loss), {k: v.clone() for k, v in grads.items()}, gx.clone(), new
+
+
+def check(results, sizes, norm=NormAct, channels_last=False):
+    x, y = data(sum(sizes))
+    loss1, grads1, gx1, buffers1 = one_process(net(norm, channels_last), x, y)
+    for r, (loss, grads, gx, buffers) in enumerate(results):
+        assert loss == pytest.approx(loss1, rel=1e-6)
+        for k in grads1:
+            torch.testing.assert_close(grads[k], grads1[k], **TOL)
+        # an input's gradient stays local: that of the sum of the ranks' losses
+        rows = gx1.split(sizes)[r]
+        torch.testing.assert_close(gx, rows * len(sizes), **TOL)
+        for k in buffers1:
+            torch.testing.assert_close(buffers[k], buffers1[k], **TOL)
+    for other in results[1:]:  # replicas bit-identical
+        assert all(torch.equal(other[1][k], results[0][1][k]) for k in grads1)
+        assert all(torch.equal(other[3][k], results[0][3][k]) for k in buffers1)
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_every_kind_of_batch_norm_equals_one_process(run, transport):
+    sizes = [6, 6]
+    check(run(2, on_ranks, sizes, env=TRANSPORTS[transport]), sizes)
+
+
+@pytest.mark.parametrize("sizes", [[5, 4, 3], [7, 0, 5], [0, 12]])
+def test_uneven_and_empty_shards(run, sizes):
+    # An empty shard contributes nothing (it used to make every rank NaN).
+    check(run(len(sizes), on_ranks, sizes), sizes)
+
+
+def test_channels_last_and_sync_batchnorm(run):
+    # nn.SyncBatchNorm (models converted for DDP) synchronises over the step's axis.
+    sizes = [6, 6]
+    got = run(2, on_ranks, sizes, nn.SyncBatchNorm, True)
+    check(got, sizes, nn.SyncBatchNorm, True)
+
+
+def _every_rank_empty(rows: int):
+    apply, params, buffers = pardist.functional(nn.BatchNorm1d(3))
+    step = pardist.data_parallel(lambda p, b, x: apply(p, b, x)[0])
+    try:
+        step(params, buffers, torch.ones(rows if pardist.rank() == 0 else 0, 3))
+    except ValueError as e:
+        return str(e)
+
+
+def test_too_few_rows_in_all_is_an_error(run):
+    for rows in (0, 1):
+        for msg in run(2, _every_rank_empty, rows):
+            assert f"the step's ranks hold {rows} in all" in msg
+            assert "more than 1 value per channel" in msg and "pardist.functional" in msg
+
+
+def test_a_single_row_per_rank_is_enough(run):
+    # torch refuses 1 row when training; 2 ranks of 1 row are a batch of 2.
+    sizes = [1, 1]
+    check(run(2, on_ranks, sizes), sizes)
+
+
+def _large_mean(dtype):
+    bn = nn.BatchNorm1d(3)
+    apply, params, buffers = pardist.functional(bn)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 3, generator=g, dtype=torch.float64) * 0.01 + 1e4
+    step = pardist.data_parallel(
+        lambda p, b, x: apply(p, b, x.to(dtype)), out_specs=(pardist.P("gpu"), None)
+    )
+    out, new = step(params, buffers, x.chunk(2)[pardist.rank()])
+    return out.dtype, new["running_var"], x.to(dtype).double().var(0)
+
+
+def test_statistics_keep_their_precision_when_the_mean_is_large(run):
+    # Per rank mean 1e4, std 0.01: a sum of squares in float32 would lose it all.
+    for dtype, running_var, var in run(2, _large_mean, torch.float32):
+        assert dtype == torch.float32
+        torch.testing.assert_close(running_var.double(), 0.9 + 0.1 * var, rtol=1e-6, atol=0)
+
+
+class _Raw(nn.BatchNorm1d):
+    def forward(self, x):
+        return torch.native_batch_norm(x, None, None, None, None, True, 0.1, 1e-5)[0]
+
+
+class _ByHand(nn.BatchNorm1d):
+    def forward(self, x):
+        return (x - x.mean(0)) / (x.var(0, unbiased=False) + self.eps).sqrt()
+
+
+class _OwnSync(nn.SyncBatchNorm):
+    def forward(self, x):
+        return super().forward(x).relu()
+
+
+def _refused(kind: str):
+    layer = {"raw": _Raw, "hand": _ByHand, "sync": _OwnSync}[kind](3)
+    apply, params, buffers = pardist.functional(nn.Sequential(nn.Linear(3, 3), layer))
+    step = pardist.data_parallel(lambda p, b, x: apply(p, b, x)[0].sum())
+    try:
+        step(params, buffers, torch.randn(4, 3))
+    except RuntimeError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize(
+    "kind, says",
+    [
+        ("raw", "module '1' (_Raw) calls native_batch_norm directly"),
+        ("hand", "module '1' (_ByHand) is a batch norm whose forward did not call F.batch_norm"),
+        ("sync", "module '1' is a _OwnSync, a subclass of nn.SyncBatchNorm with its own forward"),
+    ],
+)
+def test_what_cannot_be_synchronised_exactly_raises(run, kind, says):
+    for msg in run(2, _refused, kind):
+        assert msg.startswith("pardist.functional(Sequential): ")
+        assert says in msg and "sync_bn=False" in msg
+
+
+def test_apply_is_the_module_outside_a_step_and_in_eval(world1):
+    x, _ = data()
+    for norm in (NormAct, nn.BatchNorm2d):
+        module, copy = net(norm), net(norm)
+        apply, params, buffers = pardist.functional(copy)
+        for train in (True, False):
+            module.train(train)
+            out, new = apply(params, buffers, x, train=train)
+            assert torch.equal(out, module(x))
+            assert all(torch.equal(new[k], v) for k, v in module.named_buffers())
+            buffers = new
+
+        @pardist.data_parallel  # a step at world size 1: no interception either
+        def step(p, b, x, apply=apply):
+            return apply(p, b, x)
+
+        module.train()
+        assert torch.equal(step(params, buffers, x)[0], module(x))
+
+
+def test_convert_batchnorm_refuses_to_drop_a_forward():
+    with pytest.raises(TypeError, match=r"module '1' is a NormAct with its own forward"):
+        pardist.convert_batchnorm(net())
+    converted = pardist.convert_batchnorm(nn.Sequential(nn.BatchNorm2d(3), nn.SyncBatchNorm(3)))
+    assert all(isinstance(m, pardist.CrossReplicaBatchNorm) for m in converted)
+
+
+def _cross_replica_module():
+    # CrossReplicaBatchNorm in a model run without pardist.functional.
+    torch.manual_seed(0)
+    model = pardist.convert_batchnorm(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+
+    @pardist.data_parallel
+    def step(p, x):
+        return pardist.grad(lambda p, x: torch.func.functional_call(model, p, x).square().mean())(
+            p, x
+        )
+
+    return step(params, x.chunk(2)[pardist.rank()])
+
+
+def test_cross_replica_batchnorm_module(run):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()
+    for grads in run(2, _cross_replica_module):
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(grads[k], p.grad, **TOL)
