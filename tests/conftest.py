@@ -17,6 +17,9 @@ import os
 import pytest
 
 os.environ.setdefault("PARDIST_TIMEOUT", "30")
+# The multi-process tests are CPU tests (gloo and shared memory): one GPU cannot
+# hold two nccl ranks. The CUDA path runs in tests/test_cuda.py, at world size 1.
+os.environ.setdefault("PARDIST_DEVICE", "cpu")
 
 from pardist._spawn import SpawnError, Workers  # noqa: E402
 
