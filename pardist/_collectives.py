@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pardist import _mesh, _shm, _tree
+from pardist import _mesh, _shm, _traced, _tree
+from pardist._context import compiled_plan
 
 __all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean", "psum"]
 
@@ -158,6 +159,8 @@ def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
         {'n': tensor(3.)}
         >>> pardist.shutdown()
     """
+    if (plan := compiled_plan()) is not None:  # inside data_parallel(compile=True)
+        return _traced.psum(tree, axis, plan)
     groups = _mesh.current_mesh("psum").groups(axis, "psum")
     if not groups:
         return _map(tree, "pardist.psum", lambda x: x)
@@ -166,6 +169,8 @@ def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
 
 def pmean(tree: Any, axis: str | tuple[str, ...]) -> Any:
     """Average every tensor leaf of ``tree`` over the ranks of ``axis`` (differentiable)."""
+    if (plan := compiled_plan()) is not None:
+        return _traced.pmean(tree, axis, plan)
     mesh = _mesh.current_mesh("pmean")
     groups, size = mesh.groups(axis, "pmean"), mesh.size(axis, "pmean")
     if not groups:
@@ -178,6 +183,8 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
 
     The gradient flows to the ranks holding the maximum (split evenly on ties).
     """
+    if (plan := compiled_plan()) is not None:
+        return _traced.pmax(tree, axis, plan)
     groups = _mesh.current_mesh("pmax").groups(axis, "pmax")
     if not groups:
         return _map(tree, "pardist.pmax", lambda x: x)
@@ -191,6 +198,8 @@ def all_gather(tree: Any, axis: str | tuple[str, ...], dim: int = 0) -> Any:
     evaluation epoch's outputs) use :func:`pardist.gather`. Differentiable: each
     rank's slice receives the sum of its cotangents over the ranks.
     """
+    if (plan := compiled_plan()) is not None:
+        return _traced.all_gather(tree, axis, dim, plan)
     mesh = _mesh.current_mesh("all_gather")
     if mesh.size(axis, "all_gather") == 1:
         return _map(tree, "pardist.all_gather", lambda x: x)
@@ -228,9 +237,13 @@ def broadcast(tree: Any, axis: str | tuple[str, ...] = "gpu", *, src: int = 0) -
 
 def axis_index(axis: str | tuple[str, ...]) -> int:
     """This rank's position along ``axis`` (row-major over a tuple of axes)."""
+    if (plan := compiled_plan()) is not None:
+        return _traced.axis_index(axis, plan)
     return _mesh.current_mesh("axis_index").index(axis)
 
 
 def axis_size(axis: str | tuple[str, ...]) -> int:
     """The number of ranks along ``axis`` (the product over a tuple of axes)."""
+    if (plan := compiled_plan()) is not None:
+        return _traced.axis_size(axis, plan)
     return _mesh.current_mesh("axis_size").size(axis)

@@ -19,6 +19,7 @@ from pardist._mesh import Mesh
 
 __all__ = [
     "StepContext",
+    "compiled_plan",
     "current_step",
     "debug_enabled",
     "donating",
@@ -48,6 +49,9 @@ class StepContext:
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
+    # Inside data_parallel(step, compile=True): the step's static facts (pardist._compiled.Plan);
+    # collectives and pardist.grad then take their traceable paths. None when eager.
+    plan: Any = None
 
 
 _active: list[StepContext] = []
@@ -56,6 +60,11 @@ _active: list[StepContext] = []
 def current_step() -> StepContext | None:
     """The innermost running data-parallel step, or None outside of one."""
     return _active[-1] if _active else None
+
+
+def compiled_plan() -> Any:
+    """The plan of the innermost running step if it is a compiled one, else None."""
+    return _active[-1].plan if _active else None
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist import _collectives, _mesh, _replication, _specs, _tree
+from pardist import _collectives, _compiled, _mesh, _replication, _specs, _tree
 from pardist._context import StepContext, debug_enabled, entered
 from pardist._specs import P
 from pardist.optim._sharded import ShardedState
@@ -48,6 +48,7 @@ class _Step:
         compression,
         overlap,
         bucket_mb,
+        compile=False,
     ):
         functools.update_wrapper(self, fn)
         self.fn, self.axis, self.mesh = fn, axis, mesh
@@ -65,6 +66,7 @@ class _Step:
         self.calls = 0
         self._specs_cache: dict = {}
         self._consumed: dict[int, weakref.ref] = {}  # donated leaves that are now invalid
+        self.compiled = _compiled.compiled_step(compile, self.where)
 
     @property
     def where(self) -> str:
@@ -128,6 +130,22 @@ class _Step:
                     "shard, give it a sharded spec such as P('gpu') in in_specs."
                 )
         donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
+        out = _compiled.EAGER
+        if self.compiled is not None:
+            out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
+        if out is _compiled.EAGER:
+            out = self._run_eager(args, kwargs, mesh, axes, leaves, sharded, donated, scatter)
+        self.calls += 1
+        if check:
+            self._check_outputs(out, mesh, axes, group)
+        if donated:
+            kept = {id(x) for x in _tree.tree_leaves(out)}
+            for x in leaves:
+                if id(x) in donated and id(x) not in kept:
+                    self._consumed[id(x)] = weakref.ref(x)
+        return out
+
+    def _run_eager(self, args, kwargs, mesh, axes, leaves, sharded, donated, scatter):
         ctx = StepContext(
             name=self.where,
             mesh=mesh,
@@ -148,14 +166,6 @@ class _Step:
                 means = _collectives.pmean(ctx.pending_means, axes)
                 for t, mean in zip(ctx.pending_means, means):
                     t.copy_(mean)
-        self.calls += 1
-        if check:
-            self._check_outputs(out, mesh, axes, group)
-        if donated:
-            kept = {id(x) for x in _tree.tree_leaves(out)}
-            for x in leaves:
-                if id(x) in donated and id(x) not in kept:
-                    self._consumed[id(x)] = weakref.ref(x)
         return out
 
     def _check_not_consumed(self, leaves: list, args: tuple) -> None:
@@ -225,6 +235,7 @@ def data_parallel(
     compression: str | torch.dtype | None = None,
     overlap: bool = True,
     bucket_mb: float = 25.0,
+    compile: bool | dict = False,  # noqa: A002 - JAX's jit and torch.compile's word
 ):
     """Make ``fn`` a data-parallel step over ``axis``: each rank calls it with its own data.
 
@@ -255,6 +266,13 @@ def data_parallel(
             Buckets in shared memory (CPU ranks on one host) are always reduced
             after the backward: that reduction is a synchronous copy.
         bucket_mb: gradient bucket size in MiB (DDP's ``bucket_cap_mb``).
+        compile: True to compile the whole step with ``torch.compile`` (JAX's
+            ``jit(pmap(step))``): the forward, the backward, the gradient mean,
+            batch-norm statistics and the optimizer update in one graph, with the
+            eager step's numbers. A dict passes ``torch.compile`` arguments
+            (``mode``, ``backend``, ``dynamic``, ``options``; ``fullgraph``
+            defaults to True). A step that cannot be compiled (Python control flow
+            on tensor values) runs eagerly after one warning naming the reason.
 
     Returns:
         A function with ``fn``'s signature.
@@ -279,6 +297,7 @@ def data_parallel(
         compression=compression,
         overlap=overlap,
         bucket_mb=bucket_mb,
+        compile=compile,
     )
     if fn is None:
         return lambda f: data_parallel(f, **options)
@@ -293,5 +312,14 @@ def data_parallel(
             f"per positional argument, got a {type(in_specs).__name__}."
         )
     return _Step(
-        fn, axis, in_specs, out_specs, mesh, donate_argnums, compression, overlap, bucket_mb
+        fn,
+        axis,
+        in_specs,
+        out_specs,
+        mesh,
+        donate_argnums,
+        compression,
+        overlap,
+        bucket_mb,
+        compile,
     )

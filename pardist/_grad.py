@@ -23,7 +23,7 @@ import torch
 import torch.func
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _collectives, _microbatch, _tree
+from pardist import _collectives, _microbatch, _traced_grad, _tree
 from pardist._context import StepContext, current_step
 from pardist._reducer import Reducer
 from pardist._zero import ScatterReducer, signature
@@ -168,6 +168,12 @@ def _compute(
                 )
     replicated = [ctx is not None and id(t) not in ctx.varying for t in leaves]
     reduce = ctx is not None and ctx.size > 1 and any(replicated)
+    if ctx is not None and ctx.plan is not None:  # inside data_parallel(compile=True)
+        value, aux, grads, done = _traced_grad.compute(
+            f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, leaves, replicated,
+            _split, where,
+        )  # fmt: skip
+        return value, aux, _regroup(grads, flat, treedefs), done
     if ctx is None or _in_transform(leaves):
         return _compute_functorch(
             f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where

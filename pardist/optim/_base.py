@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pardist import _tree
+from pardist import _ops, _tree
 from pardist._context import is_donated
 
-__all__ = ["GradientTransformation", "Optimizer", "chain", "schedule_value"]
+__all__ = ["GradientTransformation", "Optimizer", "chain", "schedule", "schedule_value"]
 
 
 class GradientTransformation(NamedTuple):
@@ -78,8 +78,23 @@ def chain(*parts: GradientTransformation | Optimizer) -> GradientTransformation 
 
 
 def schedule_value(value: float | Callable[[int], float], count: torch.Tensor) -> float:
-    """A hyper-parameter that may be a schedule: a function of the step count."""
-    return float(value(int(count))) if callable(value) else value
+    """A hyper-parameter that may be a schedule: a function of the step count.
+
+    While being compiled, a schedule becomes a graph node that evaluates it at run
+    time (a float64 scalar tensor): the count is a tensor, not a Python int.
+    """
+    if not callable(value):
+        return value
+    if torch.compiler.is_compiling():  # registered by the optimizer's factory
+        return torch.ops.pardist.schedule(count, id(value))
+    return float(value(int(count)))
+
+
+def schedule(value: float | Callable[[int], float]) -> float | Callable[[int], float]:
+    """Register a schedule for compiled steps (see ``schedule_value``); returns it."""
+    if callable(value):
+        _ops.schedule_key(value)
+    return value
 
 
 def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
@@ -119,8 +134,8 @@ def next_count(count: torch.Tensor, in_place: bool) -> torch.Tensor:
 
 def fused_ok(tensors: list[torch.Tensor], fused: bool | None) -> bool:
     """Use torch's fused kernels where the caller allows it and the device has them."""
-    if fused is False:
-        return False
+    if fused is False or torch.compiler.is_compiling():
+        return False  # fused kernels have no fake implementation: graphs use foreach ones
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
     supported = set(_get_fused_kernels_supported_devices())
