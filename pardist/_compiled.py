@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from pardist import _context, _mesh, _shm, _tree
 from pardist._context import StepContext
 
-__all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step"]
+__all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step", "outer_compile"]
 
 EAGER = object()  # returned when the step must run eagerly
 _OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options")
@@ -89,7 +89,11 @@ def _axis_info(mesh: _mesh.Mesh, names: tuple[str, ...]) -> AxisInfo:
 
 
 def make_plan(step: Any, mesh: _mesh.Mesh, axes: tuple, sharded, donated, scatter) -> Plan:
-    """The plan of one step signature; collective on first use (shared memory is set up)."""
+    """The plan of one step signature; collective on first use (shared memory is set up).
+
+    ``sharded`` lists every leaf that varies over the axis: those whose spec shards
+    them, and DTensors (a sharded optimizer's state).
+    """
     infos: dict = {}
     for name in mesh.axis_names:
         infos[name] = _axis_info(mesh, (name,))
@@ -113,31 +117,28 @@ def make_plan(step: Any, mesh: _mesh.Mesh, axes: tuple, sharded, donated, scatte
     )
 
 
-def _alias(x: Any) -> Any:
-    return x.view_as(x) if isinstance(x, torch.Tensor) else x
-
-
 def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
     """The function dynamo traces: the step inside a context of the plan's constants.
 
     The step sees aliases of its inputs, made inside the graph: pardist tells
     inputs apart by ``id()``, which dynamo would guard on (recompiling for every
     new tensor) for the inputs themselves but not for tensors the graph made.
-    Writes through an alias reach the input (donation), and an alias the step
-    returns is handed back as the input itself, as the eager step would.
+    Writes through an alias reach the input (donation), and a donated input the
+    step returns comes back as the input itself, as in the eager step.
     """
     leaves, treedef = _tree.tree_flatten(args)
-    seen = [_alias(x) for x in leaves]
+    seen = [x.view_as(x) if isinstance(x, torch.Tensor) else x for x in leaves]
     args = _tree.tree_unflatten(seen, treedef)
-    kwargs = _tree.tree_map(_alias, kwargs)
-    varying = {id(seen[i]) for i in plan.sharded}
-    varying |= {id(x) for x in seen if isinstance(x, DTensor)}
+    if kwargs:
+        kwargs = _tree.tree_map(
+            lambda x: x.view_as(x) if isinstance(x, torch.Tensor) else x, kwargs
+        )
     ctx = StepContext(
         name=plan.name,
         mesh=None,
         axis=plan.axis,
         size=plan.size,
-        varying=varying,
+        varying={id(seen[i]) for i in plan.sharded},
         donated={id(seen[i]) for i in plan.donated},
         reducers={},
         scatter=plan.scatter,
@@ -151,7 +152,9 @@ def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
         out = fn(*args, **kwargs)
     finally:
         _context._active.pop()
-    back = {id(x): i for i, x in enumerate(seen) if isinstance(x, torch.Tensor)}
+    if not plan.donated:
+        return out
+    back = {id(seen[i]): i for i in plan.donated}
     return _tree.tree_map(
         lambda y: leaves[back[id(y)]] if isinstance(y, torch.Tensor) and id(y) in back else y, out
     )
@@ -197,6 +200,8 @@ class _Backend:
         self.graphs += 1
         try:
             compiled, problem = self.inner(gm, example_inputs), None
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # dynamo traces again and calls back: nothing to agree on yet
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             compiled, problem, error = None, _reason(e), e
         if self.agreeing:
@@ -247,9 +252,13 @@ class CompiledStep:
     def __call__(self, step: Any, args: tuple, kwargs: dict, mesh, axes, sharded, donated, scatter):
         if self.fallback is not None:
             return EAGER
-        key = (id(mesh), axes, tuple(sharded), tuple(donated), scatter)
+        leaves = _tree.tree_leaves(args)
+        varying = tuple(sharded) + tuple(
+            i for i, x in enumerate(leaves) if isinstance(x, DTensor) and i not in sharded
+        )
+        key = (id(mesh), axes, varying, tuple(donated), scatter)
         if key not in self.plans:
-            self.plans[key] = make_plan(step, mesh, axes, sharded, donated, scatter)
+            self.plans[key] = make_plan(step, mesh, axes, varying, donated, scatter)
         first = self.calls == 0
         self.calls += 1
         self.backend.agreeing, self.backend.verdict = first, None
@@ -288,3 +297,16 @@ def compiled_step(compile: bool | dict, where: str) -> CompiledStep | None:  # n
         f"{where}: compile= takes True, False or a dict of torch.compile arguments, "
         f"got {type(compile).__name__}."
     )
+
+
+@torch._dynamo.disable(reason="pardist.data_parallel compiles its step itself (compile=True)")
+def outer_compile(step: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.compile(data_parallel(step))``: compile the step the way compile=True does.
+
+    Dynamo cannot trace data_parallel's bookkeeping (the first call's checks are
+    collectives over Python objects), so the outer compilation stops here and
+    the step compiles itself, collectives and all.
+    """
+    if step.compiled is None:
+        step.compiled = CompiledStep({}, step.where)
+    return step(*args, **kwargs)

@@ -110,6 +110,8 @@ class _Step:
         return self._specs_cache[key]
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # torch.compile(data_parallel(step))
+            return _compiled.outer_compile(self, args, kwargs)
         mesh = self.mesh or _mesh.current_mesh(self.where.removeprefix("pardist."))
         axes = mesh.axes(self.axis, self.where.removeprefix("pardist."))
         leaves, treedef = _tree.tree_flatten(args)
@@ -306,20 +308,12 @@ def data_parallel(
             "pardist.data_parallel: the first argument is the step function; "
             f"write data_parallel(axis={fn!r}) to use it as a decorator."
         )
+    if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+        # data_parallel(torch.compile(step)): compile the step with its collectives.
+        fn, options["compile"] = fn._torchdynamo_orig_callable, compile or True
     if in_specs is not None and not isinstance(in_specs, (tuple, list)):
         raise TypeError(
             "pardist.data_parallel: in_specs must be a tuple with one spec tree "
             f"per positional argument, got a {type(in_specs).__name__}."
         )
-    return _Step(
-        fn,
-        axis,
-        in_specs,
-        out_specs,
-        mesh,
-        donate_argnums,
-        compression,
-        overlap,
-        bucket_mb,
-        compile,
-    )
+    return _Step(fn, **options)
