@@ -263,7 +263,12 @@ class CompiledStep:
         self.calls += 1
         self.backend.agreeing, self.backend.verdict = first, None
         try:
-            return self.compiled(step.fn, self.plans[key], args, kwargs)
+            if not first:
+                return self.compiled(step.fn, self.plans[key], args, kwargs)
+            # Hyper-parameters read as Python floats (batch norm's momentum, eps) are
+            # constants: specialized now, dynamo need not trace twice to learn it.
+            with torch._dynamo.config.patch(specialize_float=True):
+                return self.compiled(step.fn, self.plans[key], args, kwargs)
         except Exception as e:
             if not first:
                 raise
