@@ -28,6 +28,7 @@ unchanged with nccl.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import time
@@ -85,9 +86,7 @@ def variants(name: str, world: int) -> tuple[dict, dict]:
             params, opt_state = sgd.update(grads, opt_state, params)
             return params, buffers, opt_state
 
-        step = pardist.data_parallel(
-            train_step, donate_argnums=(0, 2), compile=label != "pardist"
-        )
+        step = pardist.data_parallel(train_step, donate_argnums=(0, 2), compile=label != "pardist")
 
         def run(step=step, state=state):
             state["all"] = step(*state["all"], (x, y))
@@ -114,11 +113,14 @@ def variants(name: str, world: int) -> tuple[dict, dict]:
 
 
 def worker(names: list[str], steps: int, warmup: int, threads: int) -> dict:
+    # By name: cloudpickle, which ships this function to the ranks, cannot pickle them.
+    aot_config = importlib.import_module("torch._functorch.config")
+    inductor_config = importlib.import_module("torch._inductor.config")
     torch.set_num_threads(threads)
     # Cold compiles, as a first run pays them (a rerun hits torch's caches).
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
-    torch._inductor.config.compile_threads = 1
+    inductor_config.fx_graph_cache = False
+    aot_config.enable_autograd_cache = False
+    inductor_config.compile_threads = 1
     torch.compile(lambda t: t + 1)(torch.ones(2))  # inductor's one-off start-up, for nobody
     out = {}
     for name in names:
@@ -143,10 +145,10 @@ def table(rows: list[dict]) -> str:
     )
     lines = [head, "|" + "---|" * 13]
     for r in rows:
-        cell = lambda k: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
+        cell = lambda k, r=r: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
+        compiled = ("pardist_compiled", "ddp_compiled", "torch_compiled")
         secs = " / ".join(
-            f"{r[k]:.0f}" if k in r else "-"
-            for k in ("compile_s_pardist_compiled", "compile_s_ddp_compiled", "compile_s_torch_compiled")
+            f"{r[f'compile_s_{k}']:.0f}" if f"compile_s_{k}" in r else "-" for k in compiled
         )
         lines.append(
             f"| {r['model']} | {r['ranks']} | {cell('pardist')} | {cell('pardist_compiled')} "
