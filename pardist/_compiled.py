@@ -140,6 +140,7 @@ def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
         size=plan.size,
         varying={id(seen[i]) for i in plan.sharded},
         donated={id(seen[i]) for i in plan.donated},
+        inputs={id(x) for x in seen},
         reducers={},
         scatter=plan.scatter,
         compression=plan.compression,
@@ -173,6 +174,9 @@ def _reason(e: BaseException) -> str:
     cause = e.__cause__ or e.__context__
     if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and cause is not None:
         return _reason(cause)
+    for line in lines:  # an error the step raised while traced: dynamo names it here
+        if "raised exception " in line:
+            return line.split("raised exception ", 1)[1][:500]
     for line in lines[1:4]:
         if line.startswith(("Explanation:", "Hint:")) or "line " in line:
             head += " " + line
@@ -252,6 +256,19 @@ class CompiledStep:
     def __call__(self, step: Any, args: tuple, kwargs: dict, mesh, axes, sharded, donated, scatter):
         if self.fallback is not None:
             return EAGER
+        model = {a: n for a, n in mesh.shape.items() if n > 1 and a not in axes}
+        if model or not axes:
+            # Values that vary over model axes need pardist's tracking of varying axes
+            # (JAX's transposes), which lives in eager Python. The mesh is the same on
+            # every rank, so every rank decides this alike without agreeing.
+            self.fallback = (
+                f"its mesh has axes beyond the data axes {axes}: {model}; tensor parallelism "
+                "is compiled only where those axes have size 1"
+                if axes
+                else "it has no data axis"
+            )
+            _warn(step.where, self.fallback)
+            return EAGER
         leaves = _tree.tree_leaves(args)
         varying = tuple(sharded) + tuple(
             i for i, x in enumerate(leaves) if isinstance(x, DTensor) and i not in sharded
@@ -279,15 +296,19 @@ class CompiledStep:
                 if not verdict:  # compiled everywhere, then failed while running: a real error
                     raise
             self.fallback = verdict
-            warnings.warn(
-                f"{step.where}: compile=True could not compile the step ({verdict}). It runs "
-                "eagerly instead, with the same numbers. Keep Python control flow off tensor "
-                "values (use torch.where), or pass compile=False to silence this.",
-                stacklevel=3,
-            )
+            _warn(step.where, verdict)
             return EAGER
         finally:
             self.backend.agreeing = False
+
+
+def _warn(where: str, reason: str) -> None:
+    warnings.warn(
+        f"{where}: compile=True could not compile the step ({reason}). It runs "
+        "eagerly instead, with the same numbers. Keep Python control flow off tensor "
+        "values (use torch.where), or pass compile=False to silence this.",
+        stacklevel=4,
+    )
 
 
 def compiled_step(compile: bool | dict, where: str) -> CompiledStep | None:  # noqa: A002

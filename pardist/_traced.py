@@ -115,19 +115,20 @@ def _gather(x: torch.Tensor, group: str, shm: bool, size: int, dim: int) -> torc
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(x, group, shm, size, index, dim):
+    def forward(x, group, shm, size, index, dim, invariant):
         return _gather(x, group, shm, size, dim)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, ctx.group, ctx.shm, _, ctx.index, ctx.dim = inputs
+        x, ctx.group, ctx.shm, _, ctx.index, ctx.dim, ctx.invariant = inputs
         ctx.length = x.shape[ctx.dim]
 
     @staticmethod
     def backward(ctx, grad):
-        # Each rank's slice is used by every rank: its cotangent is the sum over ranks.
-        total = _Psum.apply(grad, (ctx.group,), (ctx.shm,))
-        return total.narrow(ctx.dim, ctx.index * ctx.length, ctx.length), *([None] * 5)
+        # Each rank's slice is used by every rank: its cotangent is the sum over ranks,
+        # unless the result is invariant (every rank did the same work with it).
+        total = grad if ctx.invariant else _Psum.apply(grad, (ctx.group,), (ctx.shm,))
+        return total.narrow(ctx.dim, ctx.index * ctx.length, ctx.length), *([None] * 6)
 
 
 def _coalesced(tree: Any, where: str, fn) -> Any:
@@ -171,7 +172,7 @@ def pmax(tree: Any, axis: Any, plan: Any) -> Any:
     return _coalesced(tree, "pardist.pmax", lambda x: _Pmax.apply(x, info.groups, info.shm))
 
 
-def all_gather(tree: Any, axis: Any, dim: int, plan: Any) -> Any:
+def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = False) -> Any:
     info = _axis(plan, axis, "all_gather")
     leaves = _tree.check_tensor_leaves(tree, where="pardist.all_gather", name="tree")
     if info.size == 1:
@@ -184,7 +185,9 @@ def all_gather(tree: Any, axis: Any, dim: int, plan: Any) -> Any:
                 f"{dim} to concatenate along. Use x[None] to gather scalars into a vector."
             )
         out.append(
-            _AllGather.apply(x, info.group, info.gather_shm, info.size, info.index, dim % x.ndim)
+            _AllGather.apply(
+                x, info.group, info.gather_shm, info.size, info.index, dim % x.ndim, invariant
+            )
         )
     return _tree.tree_unflatten(out, _tree.tree_flatten(tree)[1])
 

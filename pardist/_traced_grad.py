@@ -6,95 +6,109 @@ gradients come from ``torch.func.grad_and_value`` (which dynamo traces into the
 graph), and the mean over the axis is a flat all-reduce per bucket that the
 graph holds (``_traced.mean``), or a reduce-scatter for a sharded optimizer's
 parameters (ZeRO-2). The arithmetic is the eager reducer's: every contribution
-is divided by (ranks x micro-batches) before the sum, and the loss rides in the
-first gradient bucket, so ``value_and_grad``'s global loss costs nothing extra.
+is divided by (ranks x micro-batches) before the sum, and every rank's loss rides
+in the first gradient bucket (one slot per rank, the others zero, so the sum
+delivers each exactly), so ``value_and_grad``'s global loss costs nothing extra
+and is the eager step's: the mean of the ranks' losses in float64.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _microbatch, _traced, _tree
+from pardist import _bucketed, _traced, _tree
 from pardist._context import StepContext
 from pardist._zero import signature
 
 __all__ = ["compute"]
 
 
-def _flat_grads(g: Any, nums: tuple[int, ...]) -> list[torch.Tensor]:
-    parts = (g,) if len(nums) == 1 else g
-    return [leaf for part in parts for leaf in _tree.tree_leaves(part)]
+def _loss_table(mine: torch.Tensor, ctx: StepContext, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's slot zero but this rank's, which holds its loss."""
+    info = ctx.plan.axes[ctx.plan.axis_key]
+    table = torch.zeros(ctx.size, dtype=dtype, device=mine.device)
+    table[info.index] = mine.detach().to(dtype)
+    return table
 
 
-def compute(
-    f: Callable,
-    nums: tuple[int, ...],
-    has_aux: bool,
-    accumulate: int,
-    batch_nums: tuple[int, ...],
-    args: tuple,
-    kwargs: dict,
-    ctx: StepContext,
-    leaves: list[torch.Tensor],
-    replicated: list[bool],
-    split: Callable,
-    where: str,
-) -> tuple[Any, Any, list[torch.Tensor], bool]:
-    """(value, aux, flat grads in ``leaves``' order, whether value is the global mean)."""
+def _global(table: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of the losses the summed table holds, as the eager step's."""
+    return table.detach().double().mean().to(mine.dtype)
 
-    def checked(*call):
-        out = f(*call, **kwargs)
-        split(out, has_aux, where)  # pardist's error for a non-scalar value
+
+def compute(call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
+    """(value, aux, flat grads in ``leaves``' order); the value is global for value_and_grad."""
+    plan, k, replicated = ctx.plan, call.accumulate, call.replicated
+    reduce = ctx.size > 1 and any(replicated)
+    if call.mean == "rows" and reduce:
+        raise NotImplementedError(
+            f"{call.where}: mean='rows' has no traceable form in a compiled step yet; "
+            "use mean='ranks' (the same numbers when shards are equal) or compile=False"
+        )
+
+    def checked(*args):
+        out = call.f(*args, **call.kwargs)
+        _bucketed.split_value(out, call.has_aux, call.where)  # pardist's error for a non-scalar
         return out
 
-    transform = torch.func.grad_and_value(
-        checked, argnums=nums if len(nums) > 1 else nums[0], has_aux=has_aux
-    )
-    plan = ctx.plan
-    reduce = ctx.size > 1 and any(replicated)
+    nums = call.nums if len(call.nums) > 1 else call.nums[0]
+    transform = torch.func.grad_and_value(checked, argnums=nums, has_aux=call.has_aux)
     # Replicated gradients are divided before they are summed, as the eager buckets do.
-    scale = (ctx.size if reduce else 1) * accumulate
+    scale = (ctx.size if reduce else 1) * k
     values, auxes = [], []
-    sums: list[Any] = [None] * len(leaves)
-    for margs in _microbatch.split(args, batch_nums, accumulate, where):
+    local: list[Any] = [None] * len(leaves)  # summed as they come, divided by combine
+    summed: list[Any] = [None] * len(leaves)  # replicated: divided first
+    parts: list = [[None] * k for _ in leaves]
+    for j, margs, _ in call.micro_batches():
         g, out = transform(*margs)
-        value, aux = out if has_aux else (out, None)
+        value, aux = out if call.has_aux else (out, None)
+        call.took(j, aux)
         values.append(value)
         auxes.append(aux)
-        for i, gi in enumerate(_flat_grads(g, nums)):
+        for i, gi in enumerate(_tree.tree_flatten(g)[0]):
             if replicated[i] and scale > 1:
                 gi = gi / scale
-            sums[i] = gi if sums[i] is None else sums[i] + gi
-    grads = [
-        s / accumulate if not replicated[i] and accumulate > 1 else s for i, s in enumerate(sums)
-    ]
-    aux = _microbatch.stack(auxes)
-    rep = [i for i, r in enumerate(replicated) if r]
-    scatter = reduce and bool(ctx.scatter) and signature([leaves[i] for i in rep]) in ctx.scatter
+                summed[i] = gi if summed[i] is None else summed[i] + gi
+            elif call.split[i] and k > 1:
+                parts[i][j] = gi
+            else:
+                local[i] = gi if local[i] is None else local[i] + gi
+    grads = call.combine(local, parts, leaves)
+    for i, s in enumerate(summed):
+        if s is not None:
+            grads[i] = s
+    aux = call.aux(auxes)
+    mine = torch.stack(values).mean() if k > 1 else values[0]
     if not reduce:
-        value = torch.stack(values).mean() if accumulate > 1 else values[0]
-        return value, aux, grads, False
+        return mine, aux, grads
+    rep = [i for i, r in enumerate(replicated) if r]
+    need = call.need_value
+    scatter = bool(ctx.scatter) and signature([leaves[i] for i in rep]) in ctx.scatter
+    # The loss table rides in the first bucket unless it would be compressed there.
+    alone = need and (scatter or plan.compression is not None)
+    value = mine
+    if alone:
+        table = _loss_table(mine, ctx, torch.float64)
+        value = _global(_traced.psum(table, plan.axis_key, plan), mine)  # not compressed
     if scatter:
         shards = _traced.mean_scatter([grads[i] for i in rep], plan)
-        for i, local in zip(rep, shards):
+        for i, shard in zip(rep, shards):
             grads[i] = DTensor.from_local(
-                local,
+                shard,
                 plan.submesh,
                 [Shard(0)],
                 shape=(leaves[i].numel(),),
                 stride=(1,),
                 run_check=False,
             )
-        value = torch.stack(values).mean() if accumulate > 1 else values[0]
-        return value, aux, grads, False
-    loss = values[0] / scale
-    for v in values[1:]:
-        loss = loss + v / scale
-    means = _traced.mean([loss.detach().to(grads[rep[0]].dtype)] + [grads[i] for i in rep], plan)
-    for i, m in zip(rep, means[1:]):
+        return value, aux, grads
+    carried = [_loss_table(mine, ctx, grads[rep[0]].dtype)] if need and not alone else []
+    means = _traced.mean(carried + [grads[i] for i in rep], plan)
+    for i, m in zip(rep, means[len(carried) :]):
         grads[i] = m
-    return means[0].to(values[0].dtype), aux, grads, True
+    if carried:
+        value = _global(means[0], mine)
+    return value, aux, grads

@@ -275,3 +275,40 @@ def test_torch_compile_spellings_compile_the_whole_step(run):
         assert flags == [True, True]
         torch.testing.assert_close(outer, eager, **TOL)
         torch.testing.assert_close(inner, eager, **TOL)
+
+
+def _eager_only(compile):
+    """Steps compile=True runs eagerly: a model axis of size 2, and mean='rows'."""
+    out = {}
+    model_mesh = pardist.Mesh({"data": 1, "model": 2})
+    for kind, mesh, axis, mean in [
+        ("model", model_mesh, "data", "ranks"),
+        ("rows", None, "gpu", "rows"),
+    ]:
+
+        def step(w, x, mean=mean):
+            loss = lambda w, x: (x @ w).square().mean()  # noqa: E731
+            value, g = pardist.value_and_grad(loss, mean=mean)(w, x)
+            return w - 0.1 * g, value
+
+        dp = pardist.data_parallel(
+            step, axis, mesh=mesh, compile={"backend": "aot_eager"} if compile else False
+        )
+        rows = 6 if kind == "model" else 6 + 2 * pardist.rank()  # uneven shards for 'rows'
+        w, x = torch.ones(4, 3), torch.randn(rows, 4, generator=torch.Generator().manual_seed(9))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                w, value = dp(w, x if kind == "model" else x * (1 + pardist.rank()))
+        out[kind] = w, value, [str(c.message) for c in caught if "compile=True" in str(c.message)]
+    return out
+
+
+def test_steps_beyond_the_compiled_path_run_eagerly_with_one_warning(run):
+    eager = run(2, _eager_only, False, timeout=LIMIT)
+    compiled = run(2, _eager_only, True, timeout=LIMIT)
+    for e, c in zip(eager, compiled):
+        for kind, reason in [("model", "'model': 2"), ("rows", "mean='rows'")]:
+            (w_e, v_e, _), (w_c, v_c, messages) = e[kind], c[kind]
+            assert torch.equal(w_c, w_e) and torch.equal(v_c, v_e)  # the eager step ran
+            assert len(messages) == 1 and reason in messages[0], messages
