@@ -278,13 +278,14 @@ def test_torch_compile_spellings_compile_the_whole_step(run):
 
 
 def _eager_only(compile):
-    """Steps compile=True runs eagerly: a model axis of size 2, and mean='rows'."""
+    """Steps compile=True runs eagerly: a model axis of size 2, and mean='rows'.
+
+    At 4 ranks, on the 2x2 mesh test_shard_map uses: a mesh's axes label its groups
+    (for error messages) in the kept-alive process group of that size.
+    """
     out = {}
-    model_mesh = pardist.Mesh({"data": 1, "model": 2})
-    for kind, mesh, axis, mean in [
-        ("model", model_mesh, "data", "ranks"),
-        ("rows", None, "gpu", "rows"),
-    ]:
+    mesh = pardist.Mesh({"data": 2, "model": 2})
+    for kind, axis, mean in [("model", "data", "ranks"), ("rows", ("data", "model"), "rows")]:
 
         def step(w, x, mean=mean):
             loss = lambda w, x: (x @ w).square().mean()  # noqa: E731
@@ -294,19 +295,21 @@ def _eager_only(compile):
         dp = pardist.data_parallel(
             step, axis, mesh=mesh, compile={"backend": "aot_eager"} if compile else False
         )
-        rows = 6 if kind == "model" else 6 + 2 * pardist.rank()  # uneven shards for 'rows'
-        w, x = torch.ones(4, 3), torch.randn(rows, 4, generator=torch.Generator().manual_seed(9))
+        shard = mesh.index(axis)  # the same batch on the ranks of 'model' for kind 'model'
+        rows = 6 if kind == "model" else 6 + 2 * shard  # uneven shards for 'rows'
+        g = torch.Generator().manual_seed(9 + shard)
+        w, x = torch.ones(4, 3), torch.randn(rows, 4, generator=g)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
-                w, value = dp(w, x if kind == "model" else x * (1 + pardist.rank()))
+                w, value = dp(w, x)
         out[kind] = w, value, [str(c.message) for c in caught if "compile=True" in str(c.message)]
     return out
 
 
 def test_steps_beyond_the_compiled_path_run_eagerly_with_one_warning(run):
-    eager = run(2, _eager_only, False, timeout=LIMIT)
-    compiled = run(2, _eager_only, True, timeout=LIMIT)
+    eager = run(4, _eager_only, False, timeout=LIMIT)
+    compiled = run(4, _eager_only, True, timeout=LIMIT)
     for e, c in zip(eager, compiled):
         for kind, reason in [("model", "'model': 2"), ("rows", "mean='rows'")]:
             (w_e, v_e, _), (w_c, v_c, messages) = e[kind], c[kind]
