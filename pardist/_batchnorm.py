@@ -57,6 +57,19 @@ def _torch_args(input, weight, bias, running_mean, running_var, training, moment
 
 
 _PARSERS = {F.batch_norm: _functional_args, torch.batch_norm: _torch_args}
+# The other batch-norm functions of torch's namespace, looked up by identity: a
+# compiled step cannot test names (dynamo traces no ``str in str`` on them).
+_OTHERS = {
+    getattr(torch, n): True
+    for n in dir(torch)
+    if "batch_norm" in n and callable(getattr(torch, n)) and getattr(torch, n) not in _PARSERS
+}
+
+
+def _other_batch_norm(func) -> bool:
+    if torch.compiler.is_compiling():
+        return _OTHERS.get(func, False)
+    return "batch_norm" in getattr(func, "__name__", "")
 
 
 def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
@@ -78,7 +91,7 @@ def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
     # in float64: the sum of squares less N * mean^2 then keeps the variance to
     # ~1e-16 * mean^2 / var, and the local moments came from a stable kernel.
     mean, var = mean.double(), var.double()
-    local = torch.cat([mean.new_ones(1), mean, torch.addcmul(var, mean, mean)]).mul_(count)
+    local = torch.cat([mean.new_ones(1), mean, _addcmul(var, mean, mean)]).mul_(count)
     total = _collectives.psum(local, axis)
     if count <= 1 and float(total[0]) <= 1:  # with 2+ rows here, there are 2+ in all
         raise ValueError(
@@ -89,6 +102,14 @@ def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
     moments = total[1:] / total[:1]
     mean = moments[:channels]
     return total[:1], mean, (moments[channels:] - mean * mean).clamp_(min=0)
+
+
+def _addcmul(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float = 1.0):
+    """``t + value * a * b``: fused (one rounding) in eager; compiled steps cannot trace
+    the fused kernel's decomposition under torch.func, and round the product."""
+    if torch.compiler.is_compiling():
+        return t + value * (a * b)
+    return torch.addcmul(t, a, b, value=value)
 
 
 def _per_channel(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -145,10 +166,10 @@ class _BatchNorm(torch.autograd.Function):
         invstd = torch.rsqrt(var + ctx.eps)
         k = invstd if weight is None else invstd * weight.double()
         a = (k * invstd).mul_(sums[channels:])  # the xhat term, per unit of (x - mean)
-        shift = torch.addcmul(k * sums[:channels], a, mean, value=-1).neg_()
+        shift = _addcmul(k * sums[:channels], a, mean, value=-1).neg_()
         factors = torch.cat([shift, k, a]).to(compute)
         shift, k, a = (_per_channel(f, x) for f in factors.split(channels))
-        dx = torch.addcmul(shift, g, k).addcmul_(x, a, value=-1).to(x.dtype)
+        dx = _addcmul(_addcmul(shift, g, k), x, a, value=-1).to(x.dtype)
         grad_w, grad_b = (None if d is None else t.to(d) for t, d in zip((dw, db), ctx.dtypes))
         return dx, grad_w, grad_b, None, None, None
 
@@ -167,12 +188,13 @@ def cross_replica_batch_norm(
     if eps <= 0:
         raise ValueError(f"{where()}: batch_norm eps must be positive during training, got {eps}")
     y, count, mean, var = _BatchNorm.apply(x, weight, bias, eps, axis, where)
-    with torch.no_grad():  # as F.batch_norm: momentum, and the unbiased variance
+    with torch.no_grad():  # as torch's kernels: momentum * new + (1 - momentum) * old
+        # (not lerp_: under torch.func, compiled steps cannot trace its fma)
         if running_mean is not None:
-            running_mean.lerp_(mean.to(running_mean.dtype), momentum)
+            running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype) * momentum)
         if running_var is not None:
             unbiased = var * (count / (count - 1))
-            running_var.lerp_(unbiased.to(running_var.dtype), momentum)
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype) * momentum)
     return y
 
 
@@ -204,7 +226,7 @@ class _CrossReplica(TorchFunctionMode):
                 self.calls += 1
                 where = lambda: f"{self.where}: {self.module_path()}"  # noqa: E731
                 return cross_replica_batch_norm(x, rm, rv, w, b, momentum, eps, self.axis, where)
-        elif "batch_norm" in getattr(func, "__name__", "") and self._trains(func, args, kwargs):
+        elif _other_batch_norm(func) and self._trains(func, args, kwargs):
             raise RuntimeError(
                 f"{self.where}: {self.module_path()} calls {func.__name__} directly, with batch "
                 "statistics; pardist can make F.batch_norm / torch.batch_norm cross-replica, "

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pardist import _faults, _mesh, _primitives, _tree, _vma
+from pardist import _faults, _mesh, _primitives, _traced, _tree, _vma
+from pardist._context import compiled_plan
 from pardist._primitives import AllGather, AllGatherInvariant, Pmax, Psum, PsumInvariant, Pvary
 
 __all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean", "psum", "pvary"]
@@ -135,6 +136,8 @@ def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
         {'n': tensor(3.)}
         >>> pardist.shutdown()
     """
+    if (plan := compiled_plan()) is not None:  # inside data_parallel(compile=True)
+        return _traced.psum(tree, axis, plan)
     return _reduction(
         tree,
         axis,
@@ -155,6 +158,8 @@ def pmean(tree: Any, axis: str | tuple[str, ...]) -> Any:
         [tensor([1., 3.])]
         >>> pardist.shutdown()
     """
+    if (plan := compiled_plan()) is not None:
+        return _traced.pmean(tree, axis, plan)
     size = _mesh.current_mesh("pmean").size(axis, "pmean")
 
     def make(groups, tracked):
@@ -176,6 +181,8 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
         tensor([ 1., -2.])
         >>> pardist.shutdown()
     """
+    if (plan := compiled_plan()) is not None:
+        return _traced.pmax(tree, axis, plan)
     return _reduction(
         tree,
         axis,
@@ -190,6 +197,11 @@ def _blockwise(tree: Any, axis, name: str, prepare, apply, vma) -> Any:
     ``prepare(x, size, where)`` checks a leaf and returns its dims,
     ``apply(x, group, dims)`` runs the collective, ``vma(v, axes)`` types it.
     """
+    if compiled_plan() is not None:  # data_parallel(compile=True) then runs the step eagerly
+        raise NotImplementedError(
+            f"pardist.{name} has no traceable form inside a compiled step; pass "
+            "compile=False (the step runs eagerly)"
+        )
     mesh = _mesh.current_mesh(name)
     where = f"pardist.{name}"
     names, size = mesh.axes(axis, name), mesh.size(axis, name)
@@ -232,6 +244,8 @@ def all_gather(
         tensor([[1., 2.]])
         >>> pardist.shutdown()
     """
+    if (plan := compiled_plan()) is not None:
+        return _traced.all_gather(tree, axis, dim, plan, invariant)
     kind = AllGatherInvariant if invariant else AllGather
 
     def prepare(x: torch.Tensor, size: int, where: str) -> int:
@@ -273,6 +287,9 @@ def pvary(tree: Any, axis: str | tuple[str, ...]) -> Any:
         tensor([1., 1.])
         >>> pardist.shutdown()
     """
+    if (plan := compiled_plan()) is not None:  # nothing is tracked in a compiled step
+        _traced.axis_size(axis, plan)  # names an unknown axis
+        return _map(tree, "pardist.pvary", lambda x: x)
     mesh = _mesh.current_mesh("pvary")
     names = mesh.axes(axis, "pvary")
     state = _vma.current()
@@ -334,9 +351,13 @@ def axis_index(axis: str | tuple[str, ...]) -> int:
         (0, 1)
         >>> pardist.shutdown()
     """
+    if (plan := compiled_plan()) is not None:
+        return _traced.axis_index(axis, plan)
     return _mesh.current_mesh("axis_index").index(axis)
 
 
 def axis_size(axis: str | tuple[str, ...]) -> int:
     """The number of ranks along ``axis`` (the product over a tuple of axes)."""
+    if (plan := compiled_plan()) is not None:
+        return _traced.axis_size(axis, plan)
     return _mesh.current_mesh("axis_size").size(axis)

@@ -19,6 +19,7 @@ from pardist._mesh import Mesh
 
 __all__ = [
     "StepContext",
+    "compiled_plan",
     "current_step",
     "debug_enabled",
     "donating",
@@ -52,6 +53,9 @@ class StepContext:
     # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
     # pardist.grad does not report them.
     loss_scaled: bool = False
+    # Inside data_parallel(step, compile=True): the step's static facts (pardist._compiled.Plan);
+    # collectives and pardist.grad then take their traceable paths. None when eager.
+    plan: Any = None
 
 
 _active: list[StepContext] = []
@@ -60,6 +64,11 @@ _active: list[StepContext] = []
 def current_step() -> StepContext | None:
     """The innermost running data-parallel step, or None outside of one."""
     return _active[-1] if _active else None
+
+
+def compiled_plan() -> Any:
+    """The plan of the innermost running step if it is a compiled one, else None."""
+    return _active[-1].plan if _active else None
 
 
 @contextlib.contextmanager

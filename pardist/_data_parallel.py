@@ -96,6 +96,7 @@ def data_parallel(
     compression: str | torch.dtype | None = None,
     overlap: bool = True,
     bucket_mb: float = 25.0,
+    compile: bool | dict = False,  # noqa: A002 - JAX's jit and torch.compile's word
 ):
     """Make ``fn`` a data-parallel step over ``axis``: each rank calls it with its own data.
 
@@ -128,6 +129,14 @@ def data_parallel(
             Buckets in shared memory (CPU ranks on one host) are always reduced
             after the backward: that reduction is a synchronous copy.
         bucket_mb: gradient bucket size in MiB (DDP's ``bucket_cap_mb``).
+        compile: True to compile the whole step with ``torch.compile`` (JAX's
+            ``jit(pmap(step))``): the forward, the backward, the gradient mean,
+            batch-norm statistics and the optimizer update in one graph, with the
+            eager step's numbers. A dict passes ``torch.compile`` arguments
+            (``mode``, ``backend``, ``dynamic``, ``options``; ``fullgraph``
+            defaults to True). A step that cannot be compiled (Python control flow
+            on tensor values, tensor parallelism over a model axis of size > 1)
+            runs eagerly after one warning naming the reason.
 
     Returns:
         A function with ``fn``'s signature. Its first call (and every call under
@@ -156,6 +165,7 @@ def data_parallel(
         compression=compression,
         overlap=overlap,
         bucket_mb=bucket_mb,
+        compile=compile,
     )
     if fn is None:
         return lambda f: data_parallel(f, **options)
@@ -164,6 +174,9 @@ def data_parallel(
             "pardist.data_parallel: the first argument is the step function; "
             f"write data_parallel(axis={fn!r}) to use it as a decorator."
         )
+    if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+        # data_parallel(torch.compile(step)): compile the step with its collectives.
+        fn, compile = fn._torchdynamo_orig_callable, compile or True
     if in_specs is not None and not isinstance(in_specs, (tuple, list)):
         raise TypeError(
             "pardist.data_parallel: in_specs must be a tuple with one spec tree "
@@ -184,4 +197,5 @@ def data_parallel(
         compression=_COMPRESSION[compression],
         overlap=overlap,
         bucket_mb=bucket_mb,
+        compile=compile,
     )

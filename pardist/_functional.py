@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pardist import _batchnorm
+from pardist import _batchnorm, _collectives, _tree
 from pardist._context import current_step
 
 __all__ = ["functional"]
@@ -129,9 +129,15 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
             out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
-            # Averaged over the axis by the end of the step, in place: with the
-            # gradients if pardist.grad runs, else on their own (see data_parallel).
-            ctx.pending_means.extend(v for v in new_buffers.values() if v.is_floating_point())
+            stats = {k: v for k, v in new_buffers.items() if v.is_floating_point()}
+            if ctx.plan is not None:  # a compiled step: averaged here, in its graph
+                new_buffers.update(
+                    _collectives.pmean(_tree.tree_map(torch.detach, stats), ctx.axis)
+                )
+            else:
+                # Averaged over the axis by the end of the step, in place: with the
+                # gradients if pardist.grad runs, else on their own (see data_parallel).
+                ctx.pending_means.extend(stats.values())
         return out, new_buffers
 
     apply.__doc__ = f"Pure forward of {type(module).__name__}: (outputs, new_buffers)."

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.func
 
-from pardist import _bucketed, _collectives, _microbatch, _perrank, _tree, _vma
+from pardist import _bucketed, _collectives, _microbatch, _perrank, _traced_grad, _tree, _vma
 from pardist._bucketed import Call
 from pardist._context import current_step
 from pardist._layout import laid_out_like
@@ -144,7 +144,9 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
     call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
     call.need_value = options["need_value"]
-    if ctx is None or _in_transform(leaves):
+    if ctx is not None and ctx.plan is not None:  # inside data_parallel(compile=True)
+        value, aux, grads = _traced_grad.compute(call, ctx, leaves)
+    elif ctx is None or _in_transform(leaves):
         value, aux, grads = _compute_functorch(call, ctx, leaves)
     else:
         value, aux, grads = _bucketed.compute(call, ctx, leaves)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist import _collectives, _mesh, _replication, _specs, _tree, _vma
+from pardist import _collectives, _compiled, _mesh, _replication, _specs, _tree, _vma
 from pardist._context import StepContext, debug_enabled, entered
 from pardist._specs import P
 from pardist._tracker import Tracker
@@ -58,6 +58,7 @@ class Step:
         compression: torch.dtype | None = None,
         overlap: bool = True,
         bucket_mb: float = 25.0,
+        compile: bool | dict = False,  # noqa: A002 - torch.compile's word
     ):
         functools.update_wrapper(self, fn)
         self.fn, self.axis, self.mesh = fn, axis, mesh
@@ -70,6 +71,7 @@ class Step:
         self.calls = 0
         self._specs_cache: dict = {}
         self._consumed: dict[int, weakref.ref] = {}  # donated leaves that are now invalid
+        self.compiled = _compiled.compiled_step(compile, self.where)
 
     @property
     def where(self) -> str:
@@ -154,6 +156,8 @@ class Step:
         return self._specs_cache[key]
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # torch.compile(data_parallel(step))
+            return _compiled.outer_compile(self, args, kwargs)
         short = self.where.removeprefix("pardist.")
         mesh = self.mesh or _mesh.current_mesh(short)
         axes = self.data_axes(mesh)
@@ -166,6 +170,27 @@ class Step:
             self._check_inputs(args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
         donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
+        out, typed_problem = _compiled.EAGER, None
+        if self.compiled is not None:
+            out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
+        if out is _compiled.EAGER:
+            out, typed_problem = self._run_eager(
+                args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter
+            )
+        self.calls += 1
+        if check:
+            self._check_outputs(out, mesh, axes, typed_problem)
+        elif typed_problem:
+            raise ValueError(typed_problem)
+        if donated:
+            kept = {id(x) for x in _tree.tree_leaves(out)}
+            for x in leaves:
+                if id(x) in donated and id(x) not in kept:
+                    self._consumed[id(x)] = weakref.ref(x)
+        return out
+
+    def _run_eager(self, args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter):
+        """(the step's output, the static check's problem or None), run eagerly."""
         ctx = StepContext(
             name=self.where,
             mesh=mesh,
@@ -202,17 +227,7 @@ class Step:
                         t.copy_(mean)
             if state is not None:
                 typed_problem = self._typed_outputs(out, state, axes)
-        self.calls += 1
-        if check:
-            self._check_outputs(out, mesh, axes, typed_problem)
-        elif typed_problem:
-            raise ValueError(typed_problem)
-        if donated:
-            kept = {id(x) for x in _tree.tree_leaves(out)}
-            for x in leaves:
-                if id(x) in donated and id(x) not in kept:
-                    self._consumed[id(x)] = weakref.ref(x)
-        return out
+        return out, typed_problem
 
     def _check_not_consumed(self, leaves: list, args: tuple) -> None:
         def consumed(leaf: Any) -> bool:

@@ -35,12 +35,32 @@ def convnet() -> nn.Module:
     )
 
 
-MODELS = {"mlp": mlp, "convnet": convnet}
+class TransformerBlock(nn.Module):
+    """One pre-norm encoder layer on a (batch, 6, 16) sequence, mean-pooled into 4 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            16, 2, dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+def transformer() -> nn.Module:
+    torch.manual_seed(0)
+    return TransformerBlock()
+
+
+MODELS = {"mlp": mlp, "convnet": convnet, "transformer": transformer}
+SHAPES = {"mlp": (8,), "convnet": (1, 8, 8), "transformer": (6, 16)}
 
 
 def global_batch(step: int, model: str, n: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
-    shape = (n, 8) if model == "mlp" else (n, 1, 8, 8)
+    shape = (n, *SHAPES[model])
     return torch.randn(shape, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 

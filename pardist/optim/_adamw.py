@@ -11,7 +11,15 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
 from pardist import _tree
-from pardist.optim._base import Optimizer, aligned, fused_ok, next_count, owned, schedule_value
+from pardist.optim._base import (
+    Optimizer,
+    aligned,
+    fused_ok,
+    next_count,
+    owned,
+    schedule,
+    schedule_value,
+)
 
 __all__ = ["AdamWState", "adam", "adamw"]
 
@@ -62,6 +70,7 @@ def adamw(
             f"and weight_decay={weight_decay} must be >= 0."
         )
     name = "pardist.optim.adamw" if decoupled else "pardist.optim.adam"
+    schedule(lr)  # a compiled step evaluates it at run time
 
     def init_fn(params):
         _tree.check_tensor_leaves(params, where=f"{name}.init", name="params")
@@ -78,7 +87,7 @@ def adamw(
             _tree.tree_leaves(state.max_exp_avg_sq) if amsgrad else None,
         ]
         in_place, p, (m, v, vmax) = owned(p, *leaves)
-        step = int(state.count) + 1
+        traced = torch.compiler.is_compiling()  # then the count is no Python int
         options = dict(
             lr=schedule_value(lr, state.count),
             beta1=beta1,
@@ -89,9 +98,14 @@ def adamw(
             maximize=maximize,
         )
         if foreach is None and fused_ok(p, fused, g, m, v, vmax):
-            _fused(p, g, m, v, vmax or [], step, decoupled, options)
+            _fused(p, g, m, v, vmax or [], int(state.count) + 1, decoupled, options)
+        elif traced:  # foreach kernels over step tensors, as torch's compiled AdamW
+            steps = [state.count.to(torch.float32, copy=True) for _ in p]  # torch adds the 1
+            kernel = torch_adamw if decoupled else torch_adam
+            each = True if foreach is None else foreach
+            kernel(p, g, m, v, vmax or [], steps, foreach=each, capturable=each, **options)
         else:
-            steps = [torch.tensor(float(step - 1)) for _ in p]  # torch adds the 1
+            steps = [torch.tensor(float(int(state.count))) for _ in p]  # torch adds the 1
             kernel = torch_adamw if decoupled else torch_adam
             kernel(p, g, m, v, vmax or [], steps, foreach=foreach, **options)
         unflat = lambda ts: _tree.tree_unflatten(ts, treedef)  # noqa: E731

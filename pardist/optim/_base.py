@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pardist import _tree
+from pardist import _ops, _tree
 from pardist._context import is_donated
 from pardist._layout import is_dense, laid_out_like, same_layout
 
-__all__ = ["GradientTransformation", "Optimizer", "chain", "schedule_value"]
+__all__ = ["GradientTransformation", "Optimizer", "chain", "schedule", "schedule_value"]
 
 
 class GradientTransformation(NamedTuple):
@@ -79,8 +79,23 @@ def chain(*parts: GradientTransformation | Optimizer) -> GradientTransformation 
 
 
 def schedule_value(value: float | Callable[[int], float], count: torch.Tensor) -> float:
-    """A hyper-parameter that may be a schedule: a function of the step count."""
-    return float(value(int(count))) if callable(value) else value
+    """A hyper-parameter that may be a schedule: a function of the step count.
+
+    While being compiled, a schedule becomes a graph node that evaluates it at run
+    time (a float64 scalar tensor): the count is a tensor, not a Python int.
+    """
+    if not callable(value):
+        return value
+    if torch.compiler.is_compiling():  # registered by the optimizer's factory
+        return torch.ops.pardist.schedule(count, id(value))
+    return float(value(int(count)))
+
+
+def schedule(value: float | Callable[[int], float]) -> float | Callable[[int], float]:
+    """Register a schedule for compiled steps (see ``schedule_value``); returns it."""
+    if callable(value):
+        _ops.schedule_key(value)
+    return value
 
 
 def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
@@ -130,8 +145,9 @@ def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list |
     (``alongside``: lists like ``tensors``, or None) in step, ignoring strides: a
     dense parameter and the same strides everywhere are needed, or the update is
     silently wrong. Otherwise torch's foreach / for-loop code runs, which indexes.
+    Compiled graphs use the foreach kernels: the fused ones have no fake implementation.
     """
-    if fused is False:
+    if fused is False or torch.compiler.is_compiling():
         return False
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 

@@ -9,7 +9,15 @@ import torch
 from torch.optim.sgd import sgd as torch_sgd
 
 from pardist import _tree
-from pardist.optim._base import Optimizer, aligned, fused_ok, next_count, owned, schedule_value
+from pardist.optim._base import (
+    Optimizer,
+    aligned,
+    fused_ok,
+    next_count,
+    owned,
+    schedule,
+    schedule_value,
+)
 
 __all__ = ["SGDState", "sgd"]
 
@@ -57,6 +65,8 @@ def sgd(
             f"weight_decay={weight_decay} must be >= 0."
         )
 
+    schedule(lr)  # a compiled step evaluates it at run time
+
     def init_fn(params):
         _tree.check_tensor_leaves(params, where="pardist.optim.sgd.init", name="params")
         buffers = _tree.tree_map(torch.zeros_like, params) if momentum else None
@@ -64,26 +74,43 @@ def sgd(
 
     def update_fn(grads, state, params):
         g, p, treedef = aligned(grads, params, "pardist.optim.sgd.update")
-        first = int(state.count) == 0
+        traced = torch.compiler.is_compiling()
+        # Compiled, the count is no Python int; with dampening 0 the general momentum
+        # formula on the zero-initialised buffer is exactly torch's first step.
+        first = not traced and int(state.count) == 0
         old = None if not momentum else _tree.tree_leaves(state.momentum_buffer)
         in_place, p, (buffers,) = owned(p, None if first else old)
         if buffers is None:  # torch starts the momentum from the first gradient
             buffers = [None] * len(p)
-        if foreach and nesterov and not weight_decay:
+        each = True if traced and foreach is None else foreach
+        if each and nesterov and not weight_decay:
             g = [t.clone() for t in g]  # torch's foreach Nesterov adds into the gradients
-        torch_sgd(
-            p,
-            g,
-            buffers,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            lr=schedule_value(lr, state.count),
-            dampening=dampening,
-            nesterov=nesterov,
-            maximize=maximize,
-            fused=fused_ok(p, fused, g, buffers) if foreach is None else False,
-            foreach=foreach,
-        )
+
+        def run(p, buffers):
+            torch_sgd(
+                p,
+                g,
+                buffers,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                lr=schedule_value(lr, state.count),
+                dampening=dampening,
+                nesterov=nesterov,
+                maximize=maximize,
+                fused=fused_ok(p, fused, g, buffers) if foreach is None else False,
+                foreach=each,
+            )
+
+        if traced and momentum and dampening:
+            # torch's first step differs (no dampening): a graph takes both, then picks.
+            p0, b0 = [t.clone() for t in p], [None] * len(p)
+            run(p0, b0)
+            run(p, buffers)
+            start = state.count == 0
+            for new, old_ in zip(p + buffers, p0 + b0):
+                new.copy_(torch.where(start, old_, new))
+        else:
+            run(p, buffers)
         new_buffers = _tree.tree_unflatten(buffers, treedef) if momentum else None
         return (
             _tree.tree_unflatten(p, treedef),

@@ -24,8 +24,9 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
 from pardist import _mesh, _tree
-from pardist._context import donating, is_donated, sharded_over
+from pardist._context import compiled_plan, donating, is_donated, sharded_over
 from pardist._zero import ParamGather, shard_range, signature
+from pardist.optim import _sharded_compiled
 from pardist.optim._base import Optimizer
 
 __all__ = ["ShardedState", "sharded"]
@@ -132,6 +133,11 @@ def sharded(
         return ShardedState(inner, signature(leaves), axes)
 
     def update_fn(grads, state: ShardedState, params):
+        if (plan := compiled_plan()) is not None:  # inside data_parallel(compile=True)
+            new_params, inner = _sharded_compiled.update(
+                opt, grads, state, params, plan, where("update")
+            )
+            return new_params, ShardedState(inner, state.signature, state.axis)
         m, axes, leaves = setup(params, "update")
         if state.signature != signature(leaves) or state.axis != axes:
             raise ValueError(

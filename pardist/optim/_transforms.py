@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pardist import _tree
-from pardist._context import shard_group
+from pardist import _collectives, _tree
+from pardist._context import compiled_plan, shard_group
 from pardist.optim._base import GradientTransformation
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
@@ -34,6 +34,8 @@ def global_norm(tree) -> torch.Tensor:
     squares = norms.square()
     mask = torch.tensor(shards, device=squares.device)
     sharded = squares[mask].sum()
+    if (plan := compiled_plan()) is not None:  # a compiled step: over its (or the state's) axis
+        return (squares[~mask].sum() + _collectives.psum(sharded, group or plan.axis)).sqrt()
     if group is None:
         group = next(x for x in leaves if isinstance(x, DTensor)).device_mesh.get_group()
     dist.all_reduce(sharded, group=group)

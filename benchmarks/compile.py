@@ -1,0 +1,187 @@
+"""Compiled data-parallel steps: pardist's whole-step graph against DDP + torch.compile.
+
+    python benchmarks/compile.py                        # 1 and 2 ranks, all three models
+    python benchmarks/compile.py --ranks 2 --models convnet --steps 20
+
+For every model and world size, one process group runs these variants
+interleaved step by step (machine noise hits all alike) and reports the median
+milliseconds per step of the slowest rank, and each compiled variant's first
+call (tracing and compiling included; caches off, so it is what a first run pays):
+
+    pardist           data_parallel + pardist.grad + pardist.optim.sgd, eager, donated
+    pardist_compiled  the same step with compile=True: forward, backward, gradient
+                      mean and update in one graph; collectives through shared
+                      memory (CPU ranks of one host), called from the graph
+    pardist_compiled_gloo  the same graph with torch's functional collectives over
+                      gloo instead (what runs where shared memory cannot)
+    ddp               torch DistributedDataParallel, torch.optim.SGD
+    ddp_compiled      torch.compile(DDP(model)), torch.optim.SGD (DDPOptimizer
+                      splits the graph at the gradient buckets)
+    torch             one process, no DDP (world size 1 only)
+    torch_compiled    one process, torch.compile(model) (world size 1 only)
+
+Batch norm uses per-rank statistics in every variant (sync_bn=False, as DDP
+without SyncBatchNorm). Each rank runs one thread. On CUDA the script runs
+unchanged with nccl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from vs_ddp import MODELS, interleaved_ms, sync
+
+import pardist
+
+COMPILED = ("pardist_compiled", "pardist_compiled_gloo", "ddp_compiled", "torch_compiled")
+
+
+def _first_call(fn) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def variants(name: str, world: int) -> tuple[dict, dict]:
+    """{variant: one training step} for one model, and each compiled variant's first call."""
+    make, shape, batch = MODELS[name]
+    device = pardist.device()
+    g = torch.Generator().manual_seed(pardist.rank())
+    x = torch.randn(batch, *shape, generator=g).to(device)
+    y = torch.randint(0, 10, (batch,), generator=g).to(device)
+    steps, first = {}, {}
+
+    def torch_step(net):
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+        return step
+
+    for label in ("pardist", "pardist_compiled", "pardist_compiled_gloo"):
+        torch.manual_seed(0)
+        apply, params, buffers = pardist.functional(make().to(device), sync_bn=False)
+        sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
+        state = {"all": (params, buffers, sgd.init(params))}
+
+        def loss_fn(params, buffers, x, y, apply=apply):
+            logits, buffers = apply(params, buffers, x)
+            return F.cross_entropy(logits, y), buffers
+
+        def train_step(params, buffers, opt_state, batch, sgd=sgd, loss_fn=loss_fn):
+            grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)
+            params, opt_state = sgd.update(grads, opt_state, params)
+            return params, buffers, opt_state
+
+        step = pardist.data_parallel(train_step, donate_argnums=(0, 2), compile=label != "pardist")
+
+        def run(step=step, state=state):
+            state["all"] = step(*state["all"], (x, y))
+
+        if label == "pardist_compiled_gloo":
+            os.environ["PARDIST_SHM"] = "0"  # read when the step is planned, on its first call
+            first[label] = _first_call(run)
+            del os.environ["PARDIST_SHM"]
+        elif label == "pardist_compiled":
+            first[label] = _first_call(run)
+        steps[label] = run
+    for label in ("ddp", "ddp_compiled"):
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(make().to(device))
+        steps[label] = torch_step(torch.compile(ddp) if label == "ddp_compiled" else ddp)
+    first["ddp_compiled"] = _first_call(steps["ddp_compiled"])
+    if world == 1:
+        for label in ("torch", "torch_compiled"):
+            torch.manual_seed(0)
+            net = make().to(device)
+            steps[label] = torch_step(torch.compile(net) if label == "torch_compiled" else net)
+        first["torch_compiled"] = _first_call(steps["torch_compiled"])
+    return steps, first
+
+
+def worker(names: list[str], steps: int, warmup: int, threads: int) -> dict:
+    # By name: cloudpickle, which ships this function to the ranks, cannot pickle them.
+    aot_config = importlib.import_module("torch._functorch.config")
+    inductor_config = importlib.import_module("torch._inductor.config")
+    torch.set_num_threads(threads)
+    # Cold compiles, as a first run pays them (a rerun hits torch's caches).
+    inductor_config.fx_graph_cache = False
+    aot_config.enable_autograd_cache = False
+    inductor_config.compile_threads = 1
+    torch.compile(lambda t: t + 1)(torch.ones(2))  # inductor's one-off start-up, for nobody
+    out = {}
+    for name in names:
+        fns, first = variants(name, dist.get_world_size())
+        ms = interleaved_ms(fns, steps, warmup)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, first)
+        ms.update({f"compile_s_{k}": max(g[k] for g in gathered) for k in first})
+        out[name] = ms
+    return out
+
+
+def ratio(r: dict, a: str, b: str) -> str:
+    return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
+
+
+def table(rows: list[dict]) -> str:
+    head = (
+        "| model | ranks | pardist | pardist compiled | compiled, gloo | DDP | DDP + compile "
+        "| torch | torch.compile | compiled/eager | compiled/DDP+compile "
+        "| compiled/torch.compile | compile s: pardist / DDP / torch |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        cell = lambda k, r=r: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
+        compiled = ("pardist_compiled", "ddp_compiled", "torch_compiled")
+        secs = " / ".join(
+            f"{r[f'compile_s_{k}']:.0f}" if f"compile_s_{k}" in r else "-" for k in compiled
+        )
+        lines.append(
+            f"| {r['model']} | {r['ranks']} | {cell('pardist')} | {cell('pardist_compiled')} "
+            f"| {cell('pardist_compiled_gloo')} | {cell('ddp')} | {cell('ddp_compiled')} "
+            f"| {cell('torch')} | {cell('torch_compiled')} "
+            f"| {ratio(r, 'pardist_compiled', 'pardist')} "
+            f"| {ratio(r, 'pardist_compiled', 'ddp_compiled')} "
+            f"| {ratio(r, 'pardist_compiled', 'torch_compiled')} | {secs} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--name", default="compile", help="file name of the .md and .json")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+    rows = []
+    for ranks in args.ranks:
+        got = pardist.spawn(worker, ranks, args.models, args.steps, args.warmup, args.threads)
+        rows += [{"model": m, "ranks": ranks, **got[m]} for m in args.models]
+        print(table(rows), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
+        f.write(table(rows) + "\n")
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
+        json.dump({"device": str(pardist.device()), "rows": rows, "args": vars(args)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""data_parallel(step, compile=True): one graph per step, the eager step's numbers, replicas equal.
+
+Compiling is slow on two cores, so the models are tiny, each compiled step serves
+several assertions, inductor compiles with one thread, and most cases use the
+``aot_eager`` backend (dynamo and AOT autograd, the same graph, without inductor's
+code generation); the MLP case runs the default backend, inductor, end to end.
+"""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import helpers
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import pardist
+from pardist import optim
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+LIMIT = 300  # seconds per call: compiling is slow on a loaded machine
+
+
+class _Counter:
+    """A backend that keeps every graph it compiled (dynamo's restarts are not graphs)."""
+
+    def __init__(self, backend: str):
+        # A fresh dynamo cache: the kept-alive test ranks compiled the same step
+        # code for other models in earlier tests.
+        torch._dynamo.reset()
+        torch._inductor.config.compile_threads = 1
+        self.backend, self.graphs = backend, []
+
+    def __call__(self, gm, example_inputs):
+        compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+        self.graphs.append(gm)
+        return compiled
+
+
+def _collectives_in(graphs) -> collections.Counter:
+    """The collective operators a compiled graph holds (so they are in it, not around it)."""
+    names = collections.Counter()
+    for module in (m for gm in graphs for m in gm.modules() if hasattr(m, "graph")):
+        for node in module.graph.nodes:
+            name = str(node.target)
+            if name.startswith(("pardist.", "_c10d_functional.")):
+                names[name.split(".")[1]] += 1  # shm_all_reduce, all_reduce, wait_tensor, ...
+    return names
+
+
+def _train_both(model: str, opt_name: str, backend: str, sync_bn: bool = True):
+    counter = _Counter(backend)
+    eager = helpers.train_pardist(model, opt_name, steps=3, donate=True, sync_bn=sync_bn)
+    compiled = helpers.train_pardist(
+        model, opt_name, steps=3, donate=True, sync_bn=sync_bn, compile={"backend": counter}
+    )
+    return eager, compiled, len(counter.graphs), _collectives_in(counter.graphs)
+
+
+def _assert_equal_numbers(eager, compiled, reference=None):
+    params, buffers, losses, _ = compiled
+    for k in params:
+        torch.testing.assert_close(params[k], eager[0][k], **TOL)
+        if reference is not None:
+            torch.testing.assert_close(params[k], reference[0][k], **TOL)
+    for k in buffers:
+        torch.testing.assert_close(buffers[k], eager[1][k], **TOL)
+    assert losses == pytest.approx(eager[2], rel=1e-5)
+
+
+def _assert_replicas_identical(results):
+    for prints in zip(*(compiled[3] for _, compiled, _, _ in results)):
+        for other in prints[1:]:
+            for k in prints[0]:
+                assert torch.equal(prints[0][k], other[k]), k
+
+
+# The MLP runs the default path (inductor); the BN conv net runs aot_eager, whose
+# graph is the same one inductor would get. The conv net uses SGD: its conv biases
+# feed batch norm, so their gradients are rounding noise that AdamW would amplify.
+CASES = [("mlp", "adamw", "inductor"), ("convnet", "sgd", "aot_eager")]
+
+
+@pytest.mark.parametrize("model,opt_name,backend", CASES)
+def test_step_compiles_to_one_graph_with_the_eager_numbers(run, world1, model, opt_name, backend):
+    reference = helpers.train_pardist(model, opt_name, steps=3, whole_batch=True)
+    results = run(2, _train_both, model, opt_name, backend, timeout=LIMIT)
+    for eager, compiled, graphs, collectives in results:
+        assert graphs == 1  # one graph, and the second and third calls did not recompile
+        # The gradient mean (and sync batch norm's statistics: a psum per layer in
+        # the forward, another in the backward) are nodes of the graph.
+        assert collectives["shm_all_reduce"] >= (5 if model == "convnet" else 1)
+        _assert_equal_numbers(eager, compiled, reference)
+    _assert_replicas_identical(results)
+
+
+def test_gloo_transport_three_ranks_and_per_shard_batch_norm(run):
+    """Without shared memory, torch's functional collectives over gloo are in the graph."""
+    env = {"PARDIST_SHM": "0"}
+    results = run(3, _train_both, "convnet", "sgd", "aot_eager", False, env=env, timeout=LIMIT)
+    ddp = run(3, helpers.train_ddp, "convnet", "sgd", steps=3, env=env, timeout=LIMIT)
+    for eager, compiled, graphs, collectives in results:
+        assert graphs == 1
+        assert {"all_reduce", "wait_tensor"} <= set(collectives)
+        # sync_bn=False: per-shard statistics, averaged in the graph like the eager step
+        _assert_equal_numbers(eager, compiled)
+        for k in ddp[0]:
+            torch.testing.assert_close(compiled[0][k], ddp[0][k], **TOL)
+    _assert_replicas_identical(results)
+
+
+def _zero_optimizer():
+    schedule = lambda count: 0.1 / (1 + count)  # noqa: E731
+    sgd = optim.sgd(schedule, momentum=0.9, dampening=0.1, weight_decay=1e-3)
+    return optim.chain(optim.clip_by_global_norm(1.0), sgd)
+
+
+def _transformer_zero(compile, steps: int = 3):
+    """A transformer block with a sharded optimizer (ZeRO-2), 2 micro-batches, donation,
+    a learning-rate schedule, clipping and SGD's dampened first step."""
+    apply, params, _ = pardist.functional(helpers.transformer())
+    opt = optim.sharded(_zero_optimizer())
+    state = opt.init(params)
+
+    def loss_fn(p, x, y):
+        return F.cross_entropy(apply(p, {}, x)[0], y)
+
+    def step(p, state, batch):
+        loss, g = pardist.value_and_grad(loss_fn, accumulate=2, batch_argnums=(1, 2))(p, *batch)
+        kinds = {type(v).__name__ for v in g.values()}
+        p, state = opt.update(g, state, p)
+        return p, state, loss, kinds
+
+    counter = _Counter("aot_eager")
+    dp = pardist.data_parallel(
+        step, donate_argnums=(0, 1), compile={"backend": counter} if compile else False
+    )
+    losses, kinds, prints = [], set(), []
+    for s in range(steps):
+        x, y = helpers.global_batch(s, "transformer")
+        x, y = helpers.shard(x, pardist.rank(), 2), helpers.shard(y, pardist.rank(), 2)
+        params, state, loss, k = dp(params, state, (x, y))
+        losses.append(float(loss))
+        kinds |= k
+        prints.append({k: v.clone() for k, v in params.items()})
+    held = [
+        t.to_local().numel()
+        for t in pardist._tree.tree_leaves(state.inner)
+        if isinstance(t, DTensor)
+    ]
+    return params, losses, kinds, prints, len(counter.graphs), _collectives_in(counter.graphs), held
+
+
+def _one_process(steps: int = 3):
+    """The same training, unsharded, in one process on the whole batch."""
+    apply, params, _ = pardist.functional(helpers.transformer())
+    opt = _zero_optimizer()
+    state = opt.init(params)
+    for s in range(steps):
+        x, y = helpers.global_batch(s, "transformer")
+        g = pardist.grad(lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0], y))(params, x, y)
+        params, state = opt.update(g, state, params)
+    return params
+
+
+def test_transformer_block_with_sharded_optimizer_and_accumulation(run, world1):
+    reference = _one_process()
+    eager = run(2, _transformer_zero, False, timeout=LIMIT)
+    compiled = run(2, _transformer_zero, True, timeout=LIMIT)
+    for (p_e, l_e, *_), (p_c, l_c, kinds, _, graphs, collectives, held) in zip(eager, compiled):
+        assert graphs == 1
+        assert kinds == {"DTensor"}  # gradients reduce-scattered into shards (ZeRO-2)
+        assert {"shm_reduce_scatter", "shm_all_gather"} <= set(collectives)
+        assert sum(held) <= sum(v.numel() for v in p_c.values()) // 2 + 64  # half, padded
+        for k in p_c:
+            torch.testing.assert_close(p_c[k], p_e[k], **TOL)
+            torch.testing.assert_close(p_c[k], reference[k], **TOL)
+        assert l_c == pytest.approx(l_e, rel=1e-5)
+    for a, b in zip(compiled[0][3], compiled[1][3]):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def _collectives_step(compile):
+    def loss_fn(w, x):
+        z = x @ w
+        everyone = pardist.all_gather(z, "gpu", dim=1)  # differentiable
+        top = pardist.pmax(z.detach().abs().amax(), "gpu")
+        sums = pardist.psum({"a": z.sum(), "b": z.square().sum()}, "gpu")
+        index, size = pardist.axis_index("gpu"), pardist.axis_size("gpu")
+        mean = pardist.pmean(z.mean() * (index + 1) / size, "gpu")
+        return everyone.square().mean() / top + 1e-3 * sums["a"] + 1e-4 * sums["b"] + mean
+
+    def step(w, x):
+        value, g = pardist.value_and_grad(loss_fn)(w, x)
+        return w - 0.1 * g, value
+
+    dp = pardist.data_parallel(
+        step, compile={"backend": _Counter("aot_eager")} if compile else False
+    )
+    g = torch.Generator().manual_seed(pardist.rank())
+    w, x = (
+        torch.randn(4, 3, generator=torch.Generator().manual_seed(0)),
+        torch.randn(6, 4, generator=g),
+    )
+    values = []
+    for _ in range(3):
+        w, value = dp(w, x)
+        values.append(value)
+    return w, values
+
+
+def test_collectives_inside_a_compiled_step(run):
+    env = {"PARDIST_SHM": "0"}  # the gloo group of the test above: functional collectives
+    eager = run(3, _collectives_step, False, env=env, timeout=LIMIT)
+    compiled = run(3, _collectives_step, True, env=env, timeout=LIMIT)
+    for (w_e, v_e), (w_c, v_c) in zip(eager, compiled):
+        torch.testing.assert_close(w_c, w_e, **TOL)
+        torch.testing.assert_close(torch.stack(v_c), torch.stack(v_e), **TOL)
+    assert torch.equal(compiled[0][0], compiled[1][0]) and torch.equal(
+        compiled[0][0], compiled[2][0]
+    )
+
+
+def _uncompilable(kind: str, compile):
+    def step(w, x):
+        value, g = pardist.value_and_grad(lambda w, x: (x @ w).square().mean())(w, x)
+        if kind == "branch" and value > 0.5:  # Python control flow on a tensor's value
+            g = g * 2
+        if kind == "one_rank" and pardist.rank() == 0:  # only rank 0 cannot trace
+            torch._dynamo.graph_break()
+        return w - 0.1 * g, value
+
+    dp = pardist.data_parallel(step, compile={"backend": "aot_eager"} if compile else False)
+    w, x = torch.ones(4, 3), torch.randn(6, 4, generator=torch.Generator().manual_seed(9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            w, _ = dp(w, x * (1 + pardist.rank()))
+    return w, [str(c.message) for c in caught if "pardist" in str(c.message)]
+
+
+@pytest.mark.parametrize("kind", ["branch", "one_rank"])
+def test_uncompilable_step_falls_back_once_with_the_reason(run, kind):
+    eager = run(2, _uncompilable, kind, False, timeout=LIMIT)
+    compiled = run(2, _uncompilable, kind, True, timeout=LIMIT)
+    for (w_e, _), (w_c, messages) in zip(eager, compiled):
+        assert torch.equal(w_c, w_e)  # the eager step ran: exactly its numbers
+        assert len(messages) == 1, messages
+        assert "could not compile the step" in messages[0] and "runs eagerly" in messages[0]
+    reasons = [messages[0] for _, messages in compiled]
+    if kind == "branch":
+        assert all("Data-dependent branching" in r and "value > 0.5" in r for r in reasons)
+    else:  # rank 1 could compile, but follows rank 0 so that collectives never mix
+        assert "graph_break" in reasons[0] and "on rank 0" in reasons[1]
+
+
+def _spellings():
+    def step(w, x):
+        return w - 0.1 * pardist.grad(lambda w, x: (x @ w).square().mean())(w, x)
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(pardist.rank()))
+    wrapped = pardist.data_parallel(step)
+    outer = torch.compile(wrapped)  # torch.compile around the step
+    inner = pardist.data_parallel(torch.compile(step))  # the step compiled first
+    eager = pardist.data_parallel(step)
+    w = torch.ones(4, 3)
+    got = [f(f(w, x), x) for f in (eager, outer, inner)]
+    compiled = [wrapped.compiled, inner.compiled]
+    return got, [c is not None and c.fallback is None and c.calls == 2 for c in compiled]
+
+
+def test_torch_compile_spellings_compile_the_whole_step(run):
+    for (eager, outer, inner), flags in run(2, _spellings, timeout=LIMIT):
+        assert flags == [True, True]
+        torch.testing.assert_close(outer, eager, **TOL)
+        torch.testing.assert_close(inner, eager, **TOL)
+
+
+def _eager_only(compile):
+    """Steps compile=True runs eagerly: a model axis of size 2, and mean='rows'.
+
+    At 4 ranks, on the 2x2 mesh test_shard_map uses: a mesh's axes label its groups
+    (for error messages) in the kept-alive process group of that size.
+    """
+    out = {}
+    mesh = pardist.Mesh({"data": 2, "model": 2})
+    for kind, axis, mean in [("model", "data", "ranks"), ("rows", ("data", "model"), "rows")]:
+
+        def step(w, x, mean=mean):
+            loss = lambda w, x: (x @ w).square().mean()  # noqa: E731
+            value, g = pardist.value_and_grad(loss, mean=mean)(w, x)
+            return w - 0.1 * g, value
+
+        dp = pardist.data_parallel(
+            step, axis, mesh=mesh, compile={"backend": "aot_eager"} if compile else False
+        )
+        shard = mesh.index(axis)  # the same batch on the ranks of 'model' for kind 'model'
+        rows = 6 if kind == "model" else 6 + 2 * shard  # uneven shards for 'rows'
+        g = torch.Generator().manual_seed(9 + shard)
+        w, x = torch.ones(4, 3), torch.randn(rows, 4, generator=g)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                w, value = dp(w, x)
+        out[kind] = w, value, [str(c.message) for c in caught if "compile=True" in str(c.message)]
+    return out
+
+
+def test_steps_beyond_the_compiled_path_run_eagerly_with_one_warning(run):
+    eager = run(4, _eager_only, False, timeout=LIMIT)
+    compiled = run(4, _eager_only, True, timeout=LIMIT)
+    for e, c in zip(eager, compiled):
+        for kind, reason in [("model", "'model': 2"), ("rows", "mean='rows'")]:
+            (w_e, v_e, _), (w_c, v_c, messages) = e[kind], c[kind]
+            assert torch.equal(w_c, w_e) and torch.equal(v_c, v_e)  # the eager step ran
+            assert len(messages) == 1 and reason in messages[0], messages
