@@ -10,6 +10,7 @@ from pardist import amp, checkpoint, data, optim
 from pardist._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
 from pardist._collectives import all_gather, axis_index, axis_size, broadcast, pmax, pmean, psum
 from pardist._data_parallel import data_parallel
+from pardist._fsdp import fsdp
 from pardist._functional import functional
 from pardist._gather import gather, gather_object
 from pardist._grad import grad, value_and_grad
@@ -49,6 +50,7 @@ __all__ = [
     "data_parallel",
     "device",
     "distributed",
+    "fsdp",
     "functional",
     "gather",
     "gather_object",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pardist import _fsdp_apply, _fsdp_units
 from pardist._batchnorm import convert_batchnorm
 from pardist._context import current_step
 
@@ -82,7 +83,9 @@ class _Slots:
         return out
 
 
-def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, dict, dict]:
+def functional(
+    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto"
+) -> tuple[Callable, dict, dict]:
     """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
 
     Args:
@@ -96,6 +99,13 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
             statistics that ``apply`` returns are averaged over the axis by the
             end of the step (in the gradient all-reduce, when ``pardist.grad``
             runs), so that every replica keeps the same buffers.
+        fsdp_units: with :func:`pardist.fsdp` params, the modules whose parameters
+            are gathered together, just before the module runs: ``'auto'`` (about
+            eight units: transformer blocks, ResNet stages, MLP layers), module
+            paths (``['h.0', 'h.1']``), module classes (``{Block}``), a function
+            ``(path, module) -> bool``, or None (all gathered for the whole apply).
+            Parameters outside every unit, and tied ones, stay gathered for the
+            whole forward.
 
     Returns:
         ``(apply, params, buffers)``: detached copies of the parameters and
@@ -118,13 +128,18 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
         skeleton = convert_batchnorm(skeleton)
     slots = _Slots(skeleton)
     mode = {"train": skeleton.training}
+    where = f"pardist.functional({type(module).__name__}).apply"
+    fsdp = _fsdp_apply.Runner(skeleton, slots, _fsdp_units.check_policy(fsdp_units), where)
 
     def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
         if mode["train"] != train:
             skeleton.train(train)
             mode["train"] = train
         new_buffers = {name: b.clone() for name, b in buffers.items()}
-        out = slots.call(params, new_buffers, inputs, kwargs)
+        if _fsdp_apply.has_shards(params):  # pardist.fsdp: each unit gathered as it runs
+            out = fsdp.call(params, new_buffers, inputs, kwargs)
+        else:
+            out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
             # Averaged over the axis by the end of the step, in place: with the

@@ -23,7 +23,7 @@ import torch
 import torch.func
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _collectives, _microbatch, _tree
+from pardist import _collectives, _fsdp, _microbatch, _tree
 from pardist._context import StepContext, current_step
 from pardist._reducer import Reducer
 from pardist._zero import ScatterReducer, signature
@@ -166,7 +166,11 @@ def _compute(
                     f"{where}: {path[0]} has dtype {leaf.dtype}; only "
                     "floating-point tensors can be differentiated."
                 )
-    replicated = [ctx is not None and id(t) not in ctx.varying for t in leaves]
+    # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
+    # reduce-scatters their gradients, so they take no part in the all-reduce.
+    replicated = [
+        ctx is not None and id(t) not in ctx.varying and not isinstance(t, DTensor) for t in leaves
+    ]
     reduce = ctx is not None and ctx.size > 1 and any(replicated)
     if ctx is None or _in_transform(leaves):
         return _compute_functorch(
@@ -187,7 +191,10 @@ def _compute(
     for j, margs in enumerate(_microbatch.split(args, batch_nums, accumulate, where)):
         if hand.reducer is not None and j == accumulate - 1:
             hand.reducer.last_micro_batch()
-        inputs = [t.detach().requires_grad_() for t in leaves]
+        if any(isinstance(t, DTensor) for t in leaves):  # FSDP shards: usable only by apply
+            inputs = _fsdp.grad_inputs(leaves, args, nums, where)
+        else:
+            inputs = [t.detach().requires_grad_() for t in leaves]
         for i, x in enumerate(inputs):
             if replicated[i] and (reduce or accumulate > 1):
                 # The reducer takes each gradient the moment autograd produces it.

@@ -11,7 +11,15 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
 from pardist import _tree
-from pardist.optim._base import Optimizer, aligned, fused_ok, next_count, owned, schedule_value
+from pardist.optim._base import (
+    Optimizer,
+    aligned,
+    fused_ok,
+    next_count,
+    on_shards,
+    owned,
+    schedule_value,
+)
 
 __all__ = ["AdamWState", "adam", "adamw"]
 
@@ -102,7 +110,7 @@ def adamw(
             unflat(vmax) if amsgrad else None,
         )
 
-    return Optimizer(init_fn, update_fn)
+    return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"))
 
 
 def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:

@@ -9,7 +9,15 @@ import torch
 from torch.optim.sgd import sgd as torch_sgd
 
 from pardist import _tree
-from pardist.optim._base import Optimizer, aligned, fused_ok, next_count, owned, schedule_value
+from pardist.optim._base import (
+    Optimizer,
+    aligned,
+    fused_ok,
+    next_count,
+    on_shards,
+    owned,
+    schedule_value,
+)
 
 __all__ = ["SGDState", "sgd"]
 
@@ -90,4 +98,4 @@ def sgd(
             SGDState(next_count(state.count, in_place), new_buffers),
         )
 
-    return Optimizer(init_fn, update_fn)
+    return Optimizer(init_fn, on_shards(update_fn, "pardist.optim.sgd.update"))
