@@ -81,11 +81,18 @@ MODELS = {
     "mlp25m": (MLPS["mlp25m"][0], lambda: mlp_data("mlp25m"), lambda m: list(m)[::2]),
     "gpt50m": (GPT, lambda: gpt_data(2, 64), lambda m: list(m.h)),
 }
+# One step of this first sets up what every later model shares (DTensor's machinery,
+# gloo's buffers), so that the memory measured is the model's.
+WARMUP = (
+    lambda: GPT(vocab=64, d=16, layers=2, heads=2, ctx=8),
+    lambda: (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (16,))),
+    lambda m: list(m.h),
+)
 
 
 def make(variant: str, name: str):
     """A step function for one variant (its own model and state) and its data."""
-    factory, data, blocks = MODELS[name]
+    factory, data, blocks = WARMUP if name == "warmup" else MODELS[name]
     x, y = data()
     torch.manual_seed(0)
     module = factory()
@@ -94,14 +101,15 @@ def make(variant: str, name: str):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(pardist.device().type, (dist.get_world_size(),))
-        for block in blocks(module):
+        net = module
+        for block in blocks(net):
             fully_shard(block, mesh=mesh)
-        fully_shard(module, mesh=mesh)
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+        fully_shard(net, mesh=mesh)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
 
         def torch_step():
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(module(x), y).backward()
+            F.cross_entropy(net(x), y).backward()
             opt.step()
 
         return torch_step
@@ -134,7 +142,10 @@ VARIANTS = ["dp", "zero2", "fsdp", "fsdp2"]
 
 def timing(names, steps, warmup):
     torch.set_num_threads(1)
-    return {name: interleaved_ms({v: make(v, name) for v in VARIANTS}, steps, warmup) for name in names}
+    out = {}
+    for name in names:
+        out[name] = interleaved_ms({v: make(v, name) for v in VARIANTS}, steps, warmup)
+    return out
 
 
 def _status(field: str) -> int:
@@ -151,6 +162,7 @@ def memory(variant: str, name: str, steps: int) -> dict:
     libc = ctypes.CDLL(None)
     libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: big allocations are their own mappings
     libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD: give the heap's free top back at once
+    make(variant, "warmup")()
     gc.collect()
     base = _status("VmRSS")
     fn = make(variant, name)

@@ -39,19 +39,47 @@ def has_shards(params: dict) -> bool:
     return any(isinstance(v, DTensor) for v in params.values())
 
 
+_PROPERTIES = "shape dtype device ndim requires_grad layout is_leaf is_cuda itemsize nbytes"
+_METHODS = "size dim numel nelement stride is_floating_point is_complex element_size __len__"
+_METADATA = {getattr(torch.Tensor, n).__get__ for n in _PROPERTIES.split()} | {
+    getattr(torch.Tensor, n) for n in _METHODS.split()
+}
+
+
 class _Absent(torch.Tensor):
-    """A unit's parameter slot while the unit is not gathered: metadata only; any use raises."""
+    """A unit's parameter slot while the unit is not gathered.
+
+    It answers metadata (shape, dtype, device). Anything that computes with it is
+    a module using a parameter outside the forward of the module that holds it
+    (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
+    ``out_proj``): the unit is then gathered on the spot, above autograd, so the
+    gradient still reaches the shards, and kept until the running unit returns.
+    """
 
     @staticmethod
-    def __new__(cls, shape, dtype, device, message: str):
+    def __new__(cls, shape, dtype, device, runner: Runner, unit: int, index: int):
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        t._message = message
+        t._runner, t._unit, t._index = runner, unit, index
         return t
 
     @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+
+        def real(x):
+            return x._runner.borrow(x._unit)[x._index] if isinstance(x, _Absent) else x
+
+        args, kwargs = pytree.tree_map(real, (args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        absent = next(x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, _Absent))
-        raise RuntimeError(absent._message.replace("{func}", str(func)))
+        raise RuntimeError(  # only reachable around torch_function (e.g. under a mode)
+            f"pardist.fsdp: {func} used a parameter of an FSDP unit that is not gathered."
+        )
 
 
 class _Unit(_fsdp_units.Unit):
@@ -87,7 +115,7 @@ class _Gathered:
             for i, shape in enumerate(shapes):
                 b, start = layout.columns[i].bucket, layout.starts[i]
                 self.tensors.append(self.buffers[b][start : start + shape.numel()].view(shape))
-            if backward and self.prev is not None:
+            if backward and self.prev is not None and self.plan.prefetch:
                 self.prev.start()  # the backward needs the unit before this one next
         return self.tensors
 
@@ -184,7 +212,7 @@ class _Plan:
             )
         axes = axes or ctx.axis
         names = [k for k in metas if k in shards]
-        units, owners = _fsdp_units.choose(skeleton, names, runner.policy, where)
+        units, _ = _fsdp_units.choose(skeleton, names, runner.policy, where)
         self._agree(ctx, axes, names, shards, units)
         self.size, index = ctx.mesh.size(axes), ctx.mesh.index(axes)
         replicas = tuple(a for a in ctx.axis if a not in axes)  # HSDP: reduced after
@@ -212,19 +240,10 @@ class _Plan:
                 self.places[name].append((table, attr))
         self.absent = {}
         for unit in self.units[1:]:
-            for name in unit.params:
-                users = sorted({o or "<root>" for o in owners[name]})
+            for k, name in enumerate(unit.params):
+                device = shards[name]._local_tensor.device
                 self.absent[name] = _Absent(
-                    metas[name].shape,
-                    shards[name].dtype,
-                    shards[name]._local_tensor.device,
-                    f"{where}: parameter {name!r} (shape {tuple(metas[name].shape)}, module "
-                    f"{', '.join(users)}) belongs to the FSDP unit {unit.name!r}, gathered only "
-                    "while that module runs, but {func} used it at another time (another "
-                    "module using it, or the module's forward called directly instead of "
-                    "through __call__). Gather it for longer: functional(module, "
-                    f"fsdp_units=...) without {unit.name!r}, or with a module that contains "
-                    "every user of it.",
+                    metas[name].shape, shards[name].dtype, device, runner, unit.index, k
                 )
         self.order: list[int] = []
         self.recording = True
@@ -269,6 +288,8 @@ class _Run:
         self.prefetched: dict[int, _Gathered] = {}
         self.root: _Gathered | None = None
         self.kept: list[_Gathered] = []  # units whose output is a view of their parameters
+        self.borrowed: dict[int, tuple] = {}  # unit -> (gathered, outputs, unit that used it)
+        self.stack: list[int] = []  # the units whose modules are running, innermost last
         self.last: _Gathered | None = None
         self.count = 0
 
@@ -308,22 +329,36 @@ class _Run:
                     return r
         return None
 
+    def _take(self, unit: _Unit) -> tuple[_Gathered, tuple]:
+        """The unit's full parameters: still there if it just returned, else gathered."""
+        if self.pending is not None and self.pending.unit is unit:
+            g, self.pending = self.pending, None
+            return g, _Gather.apply(g, *(self.shards[n] for n in unit.params))
+        self.release(self.pending)
+        self.pending = None
+        return self.gather(unit)
+
     def enter(self, unit: _Unit) -> None:
         entry = self.active.get(unit.index)
         if entry is not None:  # the module runs inside itself
             entry[1] += 1
             return
-        if self.pending is not None and self.pending.unit is unit:  # called again: still here
-            g, self.pending = self.pending, None
-            outs = _Gather.apply(g, *(self.shards[n] for n in unit.params))
-        else:
-            self.release(self.pending)
-            self.pending = None
-            g, outs = self.gather(unit)
-        self.active[unit.index] = [g, 1]
+        borrowed = self.borrowed.pop(unit.index, None)
+        g, outs = borrowed[:2] if borrowed is not None else self._take(unit)
+        self.active[unit.index] = [g, 1, outs]
+        self.stack.append(unit.index)
         for name, t in zip(unit.params, outs):
             for table, attr in self.plan.places[name]:
                 table[attr] = t
+
+    def borrow(self, index: int) -> tuple:
+        """A unit used while its module is not running: gathered until the running unit returns."""
+        if index in self.active:
+            return self.active[index][2]
+        if index not in self.borrowed:
+            g, outs = self._take(self.plan.units[index])
+            self.borrowed[index] = (g, outs, self.stack[-1] if self.stack else None)
+        return self.borrowed[index][1]
 
     def exit(self, unit: _Unit, output) -> None:
         entry = self.active.get(unit.index)
@@ -333,9 +368,14 @@ class _Run:
         if entry[1]:
             return
         del self.active[unit.index]
+        self.stack.remove(unit.index)
         for name in unit.params:
             for table, attr in self.plan.places[name]:
                 table[attr] = self.plan.absent[name]
+        for k, (g, _, user) in list(self.borrowed.items()):
+            if user == unit.index:
+                del self.borrowed[k]
+                self.release(g)
         self.release(self.pending)
         self.pending = entry[0]
         for t in pytree.tree_leaves(output):
@@ -351,12 +391,14 @@ class _Run:
         if ok and torch.is_grad_enabled():
             keep = self.root if self.root is not None else self.pending
         done = [self.root, self.pending, *(e[0] for e in self.active.values()), *self.kept]
+        done += [b[0] for b in self.borrowed.values()]
         for g in done + list(self.prefetched.values()):
             if g is not None and g is not keep:
                 self.release(g)
         self.ranges.clear()
         self.active.clear()
         self.prefetched.clear()
+        self.borrowed.clear()
 
     def pack(self, t: torch.Tensor):
         hit = self.owner(t)
@@ -385,6 +427,9 @@ class Runner:
             self._hooked.add(id(module))
             module.register_forward_pre_hook(self._pre)
             module.register_forward_hook(self._post, always_call=True)
+
+    def borrow(self, index: int) -> tuple:
+        return self.run.borrow(index)
 
     def _pre(self, module, args) -> None:
         unit = None if self.run is None else self.run.plan.unit_of.get(id(module))

@@ -15,9 +15,9 @@ Between CPU ranks of one host the gathered parameters live in shared memory
 rank maps. To gather a unit, every rank copies its own shard of each parameter to
 its place in a free slot, and after one barrier the slot *is* the full buffer, on
 every rank: 1/N of the unit copied per rank, and nothing copied out. A slot freed
-by a rank is written again only after one more barrier, by which time every rank
-has freed it too (all run the same program); if the ranks do not agree on a free
-slot (or none is left), that gather goes through the backend instead. A
+by a rank is written again only after a barrier, by which time every rank has
+freed it too (all run the same program); if the ranks do not agree on a free slot
+(or none is left), that gather goes through the backend instead. A
 reduce-scatter works on pieces of a few MB, so its shared area stays small: pack,
 barrier, sum my row of the piece over every rank, barrier. Elsewhere the
 backend's all-gather (started early: prefetch) and reduce-scatter do the same,
@@ -173,8 +173,11 @@ class Transport:
         return _Pending(layout, tag, work)
 
     def _gather_shared(self, layout: Layout, tag: int, shards: list) -> _Pending | None:
-        # Slots freed before the last barrier: every rank has freed them (see module doc).
-        free = [k for k, freed in self._free.items() if freed < self._barriers]
+        # A slot freed before a barrier has been freed by every rank by the time all pass
+        # it (they run the same program); this barrier makes it so for the unit the
+        # forward (or backward) has just finished with, so two slots serve a sequence.
+        self._barrier()
+        free = sorted(k for k, freed in self._free.items() if freed < self._barriers)
         chosen = free[: len(layout.buckets)] if len(free) >= len(layout.buckets) else []
         views = []
         for bucket, full, k in zip(layout.buckets, layout.full, chosen):

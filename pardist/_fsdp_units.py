@@ -9,11 +9,13 @@ belongs to the innermost unit that contains all of them, the root at worst, so i
 is gathered for as long as any of its users may run.
 
 ``units='auto'`` splits the model top-down: a module holding more than 1/8 of the
-parameters is split into its children, and a module holding less than 1/256 stays
-with its enclosing unit; so transformer blocks, ResNet stages and the layers of an
-MLP each become a unit. Or name them: module paths (``['h.0', 'h.1']``), module
-classes (``{Block}``), or a function ``(path, module) -> bool``; ``None`` keeps
-everything in the root unit.
+parameters is split into its children (unless it holds over a tenth of them
+itself), and a module holding less than 1/256 stays with its enclosing unit; so
+transformer blocks, ResNet stages and the layers of an MLP each become a unit. A
+module that uses another unit's parameters outside that unit's forward gets them
+gathered on the spot (``_fsdp_apply._Absent``). Or name the units: module paths
+(``['h.0', 'h.1']``), module classes (``{Block}``), or a function
+``(path, module) -> bool``; ``None`` keeps everything in the root unit.
 """
 
 from __future__ import annotations
@@ -83,8 +85,10 @@ def _auto(skeleton: nn.Module, numel: dict[str, int]) -> set[int]:
             n = subtree.get(here, 0)
             if not n:
                 continue
-            split = any(subtree.get(f"{here}.{k}", 0) for k, _ in child.named_children())
-            if n > cap and split:
+            below = sum(subtree.get(f"{here}.{k}", 0) for k, _ in child.named_children())
+            # A module holding much of its own parameters is kept whole: its forward may
+            # use its children's too (MultiheadAttention uses out_proj.weight directly).
+            if n > cap and below >= 0.9 * n:
                 visit(here, child)
             elif n >= floor:
                 chosen.add(id(child))

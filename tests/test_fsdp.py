@@ -61,7 +61,8 @@ class Net(nn.Module):
 
 def batch(step: int, rank: int = 0, world: int = 1):
     g = torch.Generator().manual_seed(100 + step)
-    ids, y = torch.randint(0, VOCAB, (24,), generator=g), torch.randint(0, VOCAB, (24,), generator=g)
+    ids = torch.randint(0, VOCAB, (24,), generator=g)
+    y = torch.randint(0, VOCAB, (24,), generator=g)
     return ids.chunk(world)[rank], y.chunk(world)[rank]
 
 
@@ -139,7 +140,7 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
 def test_equals_data_parallel_and_one_process(run, nprocs, opt_name):
     reference, ref_buffers = one_process(opt_name)
     results = run(nprocs, _compare, opt_name, nprocs % 2 == 0, "auto")
-    for (dp, dp_buffers, dp_losses, dp_kinds, _), ours in results:
+    for (dp, _, dp_losses, dp_kinds, _), ours in results:
         params, buffers, losses, kinds, specs = ours
         _close(params, dp)  # unsharded data_parallel at the same ranks
         _close(params, reference)  # one plain torch process on the whole batch
@@ -151,3 +152,70 @@ def test_equals_data_parallel_and_one_process(run, nprocs, opt_name):
     first = results[0][1][0]
     for _, (params, *_) in results[1:]:  # every rank gathers the same parameters
         assert all(torch.equal(params[k], first[k]) for k in first)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _peak(shard: bool, width: int = 1024, depth: int = 8):
+    """Per rank: the resident high-water mark of AdamW steps above the resident set before.
+
+    VmHWM counts private and shared memory this process touched; glibc is told to map
+    every allocation over 1 MiB on its own (mallopt), so freed tensors leave the resident
+    set at once. A tiny model's step first sets up what every model shares (DTensor).
+    """
+    import ctypes
+    import gc
+
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+
+    def steps(width, depth, n):
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(depth)])
+        apply, params, _ = pardist.functional(net, fsdp_units=[nn.Linear])
+        del net
+        params = pardist.fsdp(params) if shard else params
+        opt = optim.adamw(1e-3)
+        state = opt.init(params)
+        x = torch.randn(4, width)
+
+        @pardist.data_parallel(donate_argnums=(0, 1))
+        def step(p, s, x):
+            g = pardist.grad(lambda p, x: apply(p, {}, x)[0].square().mean())(p, x)
+            return opt.update(g, s, p)
+
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        for _ in range(n):
+            params, state = step(params, state, x)
+        return params
+
+    steps(16, 2, 2)
+    gc.collect()
+    base = _status("VmRSS")
+    steps(width, depth, 3)
+    return _status("VmHWM") - base
+
+
+def test_peak_memory_per_rank_is_a_1_over_n_share(run):
+    # AdamW: parameters, gradients and two state tensors; 8 units of 4 MiB each.
+    width, depth = 1024, 8
+    replicated = 4 * width * width * depth * 4
+    unit = width * width * 4
+    env = {"PARDIST_TEST_ISOLATED": "memory"}  # fresh processes: nothing else in their heap
+    ours = run(2, _peak, True, env=env)
+    dp = run(2, _peak, False, env=env)
+    # 1/N + 5%, plus the largest unit gathered and its full gradient (both transient),
+    # the reduce-scatter's shared piece (one unit here) and 4 MiB for the rest.
+    bound = replicated / 2 * 1.05 + 3 * unit + 4 * 2**20
+    print(
+        f"peak MiB per rank: fsdp {[p / 2**20 for p in ours]}, dp {[p / 2**20 for p in dp]}, "
+        f"bound {bound / 2**20:.1f}, replicated {replicated / 2**20:.0f}"
+    )
+    assert max(ours) <= bound
+    assert min(dp) >= replicated  # the measure sees the replicated state
