@@ -35,8 +35,19 @@ from pardist._fsdp_comm import Layout, Transport
 __all__ = ["Runner", "has_shards"]
 
 
+def _unwrapped(x):
+    """``x`` without torch.func's wrappers (a DTensor given to torch.func.grad is wrapped)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
+
+
 def has_shards(params: dict) -> bool:
-    return any(isinstance(v, DTensor) for v in params.values())
+    if any(isinstance(v, DTensor) for v in params.values()):
+        return True
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    return any(isinstance(_unwrapped(v), DTensor) for v in params.values())
 
 
 _PROPERTIES = "shape dtype device ndim requires_grad layout is_leaf is_cuda itemsize nbytes"
@@ -443,9 +454,10 @@ class Runner:
 
     def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict):
         ctx = current_step()
-        shards = {k: v for k, v in params.items() if isinstance(v, DTensor)}
+        shards = {k: v for k, v in params.items() if isinstance(_unwrapped(v), DTensor)}
         if ctx is None:
             k, v = next(iter(shards.items()))
+            v = _unwrapped(v)
             raise RuntimeError(
                 f"{self.where}: {_fsdp.describe('params', f'[{k!r}]', v)}; apply gathers "
                 "FSDP parameters only inside a data-parallel step. Call apply inside "

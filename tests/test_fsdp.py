@@ -9,6 +9,8 @@ ranks and, independently, one plain torch process on the whole batch.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,34 +83,56 @@ def full(params: dict) -> dict:
     }
 
 
-def train(opt_name: str, shard: bool, *, donate=False, units="auto", steps=STEPS, sharded=False):
+def train(
+    opt_name: str,
+    shard: bool,
+    *,
+    donate=False,
+    units="auto",
+    steps=STEPS,
+    sharded=False,
+    accumulate=1,
+    mesh=None,
+    axis="gpu",
+    fsdp_axis="gpu",
+    start=None,
+    first=0,
+):
+    """Train Net; return (full params, buffers, losses, gradient kinds, specs, raw state)."""
     apply, params, buffers = pardist.functional(Net(), fsdp_units=units)
     if shard:
-        params = pardist.fsdp(params)
+        params = pardist.fsdp(params, fsdp_axis, mesh=mesh)
     opt = OPTIMIZERS[opt_name][0]()
-    opt = optim.sharded(opt) if sharded else opt
+    opt = optim.sharded(opt, fsdp_axis, mesh=mesh) if sharded else opt
     state = opt.init(params)
+    if start is not None:
+        params, buffers, state = start
 
     def loss_fn(p, b, ids, y):
         logits, b = apply(p, b, ids)
         return F.cross_entropy(logits, y), b
 
-    @pardist.data_parallel(donate_argnums=(0, 2) if donate else ())
+    @pardist.data_parallel(axis=axis, mesh=mesh, donate_argnums=(0, 2) if donate else ())
     def step(p, b, s, data):
-        (loss, b), g = pardist.value_and_grad(loss_fn, has_aux=True)(p, b, *data)
+        grad_fn = pardist.value_and_grad(
+            loss_fn, has_aux=True, accumulate=accumulate, batch_argnums=(2, 3)
+        )
+        (loss, b), g = grad_fn(p, b, *data)
+        if accumulate > 1:  # aux comes back stacked: keep the last micro-batch's statistics
+            b = {k: v[-1] for k, v in b.items()}
         kinds = {type(x).__name__ for x in g.values()}
         p, s = opt.update(g, s, p)
         return p, b, s, loss, kinds
 
     kinds, losses = set(), []
-    for s in range(steps):
+    for s in range(first, first + steps):
         params, buffers, state, loss, k = step(
             params, buffers, state, batch(s, pardist.rank(), pardist.world_size())
         )
         kinds |= k
         losses.append(float(loss))
     specs = pardist.specs(params)
-    return full(params), buffers, losses, kinds, specs
+    return full(params), buffers, losses, kinds, specs, (params, buffers, state)
 
 
 def one_process(opt_name: str):
@@ -123,8 +147,8 @@ def one_process(opt_name: str):
 
 
 def _compare(opt_name, donate, units):
-    dp = train(opt_name, shard=False)
-    ours = train(opt_name, shard=True, donate=donate, units=units)
+    dp = train(opt_name, shard=False)[:5]
+    ours = train(opt_name, shard=True, donate=donate, units=units)[:5]
     return dp, ours
 
 
@@ -219,3 +243,235 @@ def test_peak_memory_per_rank_is_a_1_over_n_share(run):
     )
     assert max(ours) <= bound
     assert min(dp) >= replicated  # the measure sees the replicated state
+
+
+def _grads():
+    apply, params, buffers = pardist.functional(Net())
+    shards = pardist.fsdp(params)
+
+    def loss_fn(p, b, ids, y):
+        return F.cross_entropy(apply(p, b, ids)[0], y)
+
+    @pardist.data_parallel()
+    def both(p, q, b, data):
+        return pardist.grad(loss_fn)(p, b, *data), pardist.grad(loss_fn)(q, b, *data)
+
+    mean, ours = both(params, shards, buffers, batch(0, pardist.rank(), pardist.world_size()))
+    return mean, {k: (v.to_local(), v.full_tensor()) for k, v in ours.items()}
+
+
+def test_grad_returns_this_ranks_shard_of_the_mean_gradient(run):
+    for rank, (mean, ours) in enumerate(run(3, _grads)):
+        for k, (local, whole) in ours.items():
+            flat = mean[k].reshape(-1)
+            chunk = -(-flat.numel() // 3)
+            torch.testing.assert_close(local, flat[rank * chunk : (rank + 1) * chunk])
+            torch.testing.assert_close(whole, flat)
+
+
+def _accumulate():
+    return train("sgd", False, accumulate=2)[0], train("sgd", True, accumulate=2)[0]
+
+
+def test_accumulation_equals_data_parallel(run):
+    # One reduce-scatter per micro-batch (as FSDP2): the gradients stay 1/N in memory.
+    for dp, ours in run(2, _accumulate):
+        _close(ours, dp)
+
+
+def _with_sharded_optimizer():
+    ours = train("adamw", True, sharded=True, donate=True)
+    return ours[0], ours[5][2].inner.exp_avg["embed.weight"].to_local().shape
+
+
+def test_optim_sharded_over_the_same_axis_takes_the_shards(run):
+    reference, _ = one_process("adamw")
+    results = run(2, _with_sharded_optimizer)
+    for params, _ in results:
+        _close(params, reference)
+    # the state is sharded like the parameters: 91 -> 46 + 45
+    assert [tuple(shape) for _, shape in results] == [(46,), (45,)]
+
+
+def _save(path):
+    *_, (params, buffers, state) = train("adamw", True, steps=2)
+    pardist.checkpoint.save(path, {"params": params, "buffers": buffers, "state": state})
+
+
+def _resume(path):
+    apply, params, buffers = pardist.functional(Net())
+    params = pardist.fsdp(params)
+    like = {"params": params, "buffers": buffers, "state": optim.adamw(1e-2).init(params)}
+    loaded = pardist.checkpoint.load(path, like)
+    start = (loaded["params"], loaded["buffers"], loaded["state"])
+    return train("adamw", True, steps=STEPS - 2, first=2, start=start)[0]
+
+
+@pytest.mark.parametrize("load_at", [1, 3])
+def test_checkpoint_saves_shards_and_reshards_them(run, tmp_path, load_at):
+    path = str(tmp_path / "ckpt")
+    run(2, _save, path)  # two steps at 2 ranks: halves
+    reference, _ = one_process("adamw")
+    for params in run(load_at, _resume, path):  # resharded to 1 or 3, then two more steps
+        _close(params, reference)
+
+
+def _hsdp():
+    mesh = pardist.Mesh({"node": 2, "gpu": 2})
+    out = train("sgd", True, mesh=mesh, axis=("node", "gpu"), fsdp_axis="gpu", donate=True)
+    return out[0], out[5][0]["embed.weight"].to_local().numel(), pardist.specs(out[5][0])
+
+
+def test_hybrid_shards_within_a_node_and_replicates_across_nodes(run):
+    reference, _ = one_process("sgd")
+    results = run(4, _hsdp)
+    for rank, (params, local, specs) in enumerate(results):
+        _close(params, reference)
+        assert local == (46 if rank % 2 == 0 else 45)  # split over 'gpu' (2), not all 4
+        assert set(specs.values()) == {P("gpu")}
+
+
+class Attention(nn.Module):
+    """nn.MultiheadAttention uses out_proj.weight in its own forward, never calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, ids):
+        x = self.embed(ids.view(-1, 3))
+        y, _ = self.attn(x, x, x, need_weights=False)
+        return self.head(x + y).flatten(0, 1)
+
+
+def _attention(units):
+    apply, params, _ = pardist.functional(Attention(), fsdp_units=units)
+    out = []
+    for shard in (False, True):
+        p = pardist.fsdp(params) if shard else params
+        opt = optim.sgd(0.5)
+        s = opt.init(p)
+
+        def loss_fn(p, ids, y):
+            return F.cross_entropy(apply(p, {}, ids)[0], y)
+
+        @pardist.data_parallel()
+        def step(p, s, data, opt=opt, loss_fn=loss_fn):
+            return opt.update(pardist.grad(loss_fn)(p, *data), s, p)
+
+        for i in range(3):
+            ids, y = batch(i, pardist.rank(), pardist.world_size())
+            p, s = step(p, s, (ids, y.view(-1, 3)[:, 0].repeat_interleave(3)))
+        shapes = dict(Attention().named_parameters())
+        out.append({k: v.full_tensor().view(shapes[k].shape) if shard else v for k, v in p.items()})
+    return out
+
+
+@pytest.mark.parametrize("units", ["auto", ["attn", "attn.out_proj", "head"]])
+def test_a_module_using_another_units_parameter_gets_it_gathered(run, units):
+    for dp, ours in run(2, _attention, units):
+        _close(ours, dp)
+
+
+def test_errors_name_the_parameter_its_shape_the_axis_and_the_fix(world1):
+    apply, params, buffers = pardist.functional(Net())
+    shards = pardist.fsdp(params)
+    ids, y = batch(0)
+    stored = r"\['embed.weight'\] \(shape \(13, 7\)\) is stored by pardist.fsdp as flat shards "
+    with pytest.raises(RuntimeError, match=r"params" + stored + r"over axis 'gpu'.*inside "):
+        apply(shards, buffers, ids)  # outside a step
+
+    def decayed(p, b, ids, y):  # weight decay written by hand: uses the shards themselves
+        penalty = sum(v.square().sum() for v in p.values())
+        return F.cross_entropy(apply(p, b, ids)[0], y) + 1e-4 * penalty
+
+    with pytest.raises(RuntimeError, match=r"args\[0\]" + stored + r".*outside functional's"):
+        pardist.data_parallel(lambda p, b, d: pardist.grad(decayed)(p, b, *d))(
+            shards, buffers, (ids, y)
+        )
+    with pytest.raises(RuntimeError, match=r"under torch.func transforms"):
+        pardist.data_parallel(
+            lambda p, b, d: torch.func.grad(lambda p: apply(p, b, d[0])[0].sum())(p)
+        )(shards, buffers, (ids, y))
+    with pytest.raises(ValueError, match=r"axis 'tpu' is not in the mesh"):
+        pardist.fsdp(params, "tpu")
+    with pytest.raises(TypeError, match=r"params\['n'\] has dtype torch.int64"):
+        pardist.fsdp({"n": torch.tensor([1])})
+    with pytest.raises(ValueError, match=r"params\['embed.weight'\] is already a DTensor"):
+        pardist.fsdp(shards)
+    with pytest.raises(ValueError, match=r"fsdp_units names 'block', which is not a submodule"):
+        step = pardist.data_parallel(lambda p, b, d: apply2(p, b, d[0]))
+        apply2, _, _ = pardist.functional(Net(), fsdp_units=["block"])
+        step(shards, buffers, (ids, y))
+    wrong = dict(shards, **{"head.bias": pardist.fsdp({"w": torch.ones(3)})["w"]})
+    with pytest.raises(ValueError, match=r"params\['head.bias'\] is a DTensor of shape \(3,\).*"):
+        pardist.data_parallel(lambda p, b, d: apply(p, b, d[0]))(wrong, buffers, (ids, y))
+    mesh = pardist.Mesh({"a": 1, "b": 1})
+    other = pardist.fsdp(params, "a", mesh=mesh)
+    with pytest.raises(ValueError, match=r"shards over \('a',\), but .* data parallel over"):
+        pardist.data_parallel(lambda p, b, d: apply(p, b, d[0]), axis="b", mesh=mesh)(
+            other, buffers, (ids, y)
+        )
+
+
+def test_optimizer_errors_for_mixed_shards_and_full_tensors(world1):
+    _, params, _ = pardist.functional(Net())
+    shards = pardist.fsdp(params)
+    opt = optim.adamw(1e-2)
+    with pytest.raises(ValueError, match=r"opt_state.exp_avg\['embed.weight'\] has shape \(13,"):
+        opt.update(shards, opt.init(params), shards)  # state made for the full params
+    with pytest.raises(ValueError, match=r"grads\['embed.weight'\] is a Tensor but its param"):
+        opt.update(dict(shards, **{"embed.weight": torch.zeros(91)}), opt.init(shards), shards)
+    zero = optim.sharded(optim.adamw(1e-2))
+    with pytest.raises(ValueError, match=r"the state was made for parameters.*pardist.fsdp"):
+        zero.update(shards, zero.init(params), shards)
+    mesh = pardist.Mesh({"node": 1, "gpu": 1})
+    with pytest.raises(ValueError, match=r"over \('node', 'gpu'\): params\['embed.weight'\] "):
+        optim.sharded(optim.adamw(1e-2), ("node", "gpu"), mesh=mesh).init(
+            pardist.fsdp(params, "gpu", mesh=mesh)
+        )
+
+
+class Diverging(Net):
+    """Runs its blocks in another order on rank 1: data-dependent control flow gone wrong."""
+
+    def forward(self, ids):
+        blocks = list(self.blocks)[:: -1 if pardist.rank() == 1 else 1]
+        x = self.embed(ids)
+        for block in blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _diverge(kind: str):
+    units = None if kind == "units" and pardist.rank() == 1 else [Block]
+    apply, params, buffers = pardist.functional(
+        Diverging() if kind == "order" else Net(), fsdp_units=units
+    )
+    shards = pardist.fsdp(params)
+    if kind == "params" and pardist.rank() == 1:  # one rank kept a parameter replicated
+        shards["head.bias"] = params["head.bias"]
+    step = pardist.data_parallel(lambda p, b, d: apply(p, b, d[0])[0])
+    try:
+        step(shards, buffers, batch(0, pardist.rank(), 2))
+    except (RuntimeError, ValueError) as e:  # raised on both ranks alike: the group lives on
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "kind, shm, message",
+    [
+        ("units", "1", r"the FSDP units differ between group rank 0 and group rank 1"),
+        ("params", "1", r"replicated inputs must be identical .* leaves on rank 0 but"),
+        ("order", "1", r"gathered different units \(rank 0: 'blocks.0', rank 1: 'blocks.1'"),
+        ("order", "0", r"gathered different units \(rank 0: 'blocks.0', rank 1: 'blocks.1'"),
+    ],
+)
+def test_ranks_that_disagree_fail_fast_naming_the_difference(run, kind, shm, message):
+    env = {"PARDIST_SHM": "0"} if shm == "0" else None
+    for error in run(2, _diverge, kind, env=env):  # every rank raises: nothing hangs
+        assert re.search(message, error), error
