@@ -13,7 +13,7 @@ parameters is split into its children (unless it holds over a tenth of them
 itself), and a module holding less than 1/256 stays with its enclosing unit; so
 transformer blocks, ResNet stages and the layers of an MLP each become a unit. A
 module that uses another unit's parameters outside that unit's forward gets them
-gathered on the spot (``_fsdp_apply._Absent``). Or name the units: module paths
+gathered on the spot (``_fsdp_plan.Absent``). Or name the units: module paths
 (``['h.0', 'h.1']``), module classes (``{Block}``), or a function
 ``(path, module) -> bool``; ``None`` keeps everything in the root unit.
 """
