@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import pardist
-from pardist import P, optim
+from pardist import P, _fsdp_units, optim
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 4
@@ -243,6 +243,64 @@ def test_peak_memory_per_rank_is_a_1_over_n_share(run):
     )
     assert max(ours) <= bound
     assert min(dp) >= replicated  # the measure sees the replicated state
+
+
+def _through_the_backend():
+    return train("adamw", False)[0], train("adamw", True, donate=True)[0]
+
+
+def _donated_in_place():
+    apply, params, buffers = pardist.functional(Net())
+    params = pardist.fsdp(params)
+    opt = optim.adamw(1e-2)
+    state = opt.init(params)
+    before = {k: (id(v), v.to_local().data_ptr()) for k, v in params.items()}
+
+    @pardist.data_parallel(donate_argnums=(0, 2))
+    def step(p, b, s, data):
+        g = pardist.grad(lambda p, b, ids, y: F.cross_entropy(apply(p, b, ids)[0], y))(p, b, *data)
+        return opt.update(g, s, p)
+
+    params, _ = step(params, buffers, state, batch(0, pardist.rank(), pardist.world_size()))
+    return before, {k: (id(v), v.to_local().data_ptr()) for k, v in params.items()}
+
+
+def test_donated_shards_are_updated_in_place(run):
+    for before, after in run(2, _donated_in_place):
+        assert before == after  # the same DTensors, their local shards written in place
+
+
+def test_equals_data_parallel_through_the_backend_with_prefetch(run):
+    # PARDIST_SHM=0: gathers through gloo, the next unit's started while one computes
+    for dp, ours in run(2, _through_the_backend, env={"PARDIST_SHM": "0"}):
+        _close(ours, dp)
+
+
+def _units(model: nn.Module, policy) -> dict[str, list[str]]:
+    names = [n for n, _ in model.named_parameters()]
+    units, _ = _fsdp_units.choose(model, names, policy, "test")
+    return {u.name: u.params for u in units}
+
+
+def test_units_follow_modules_and_tied_weights_go_to_the_unit_holding_every_user():
+    auto = _units(Net(), "auto")
+    # the embedding is also the output layer: it goes to the root, gathered throughout
+    assert auto[""] == ["embed.weight"]
+    assert auto["blocks.0.down"] == ["blocks.0.down.weight", "blocks.0.down.bias"]
+    assert auto["head"] == ["head.bias"] and "embed" not in auto
+    assert set(_units(Net(), [Block])) == {
+        "",
+        "blocks.0",
+        "blocks.1",
+    } and _units(Net(), None) == {"": [n for n, _ in Net().named_parameters()]}
+    # a module holding most of its parameters itself is not split (its forward uses the
+    # rest directly: MultiheadAttention and out_proj.weight)
+    layer = nn.TransformerEncoderLayer(16, 2, 64, batch_first=True)
+    assert "self_attn" in _units(layer, "auto") and "self_attn.out_proj" not in _units(
+        layer, "auto"
+    )
+    with pytest.raises(TypeError, match=r"fsdp_units must be 'auto', None, module paths"):
+        _units(Net(), [3])
 
 
 def _grads():
