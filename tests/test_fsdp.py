@@ -288,11 +288,8 @@ def test_units_follow_modules_and_tied_weights_go_to_the_unit_holding_every_user
     assert auto[""] == ["embed.weight"]
     assert auto["blocks.0.down"] == ["blocks.0.down.weight", "blocks.0.down.bias"]
     assert auto["head"] == ["head.bias"] and "embed" not in auto
-    assert set(_units(Net(), [Block])) == {
-        "",
-        "blocks.0",
-        "blocks.1",
-    } and _units(Net(), None) == {"": [n for n, _ in Net().named_parameters()]}
+    assert set(_units(Net(), [Block])) == {"", "blocks.0", "blocks.1"}
+    assert _units(Net(), None) == {"": [n for n, _ in Net().named_parameters()]}
     # a module holding most of its parameters itself is not split (its forward uses the
     # rest directly: MultiheadAttention and out_proj.weight)
     layer = nn.TransformerEncoderLayer(16, 2, 64, batch_first=True)
