@@ -11,13 +11,15 @@ rank keeps its row: its shard of every mean gradient. With a replica axis (HSDP)
 that row is then all-reduced across the replicas.
 
 Between CPU ranks of one host the gathered parameters live in shared memory
-(``_shm``): a few *slots*, each the size of the largest unit, in an area every
-rank maps. To gather a unit, every rank copies its own shard of each parameter to
-its place in a free slot, and after one barrier the slot *is* the full buffer, on
-every rank: 1/N of the unit copied per rank, and nothing copied out. A slot freed
-by a rank is written again only after a barrier, by which time every rank has
-freed it too (all run the same program); if the ranks do not agree on a free slot
-(or none is left), that gather goes through the backend instead. A
+(``_shm``): a few *slots*, each the size of the largest unit and its own mapping,
+which every rank maps. To gather a unit, every rank copies its own shard of each
+parameter to its place in a free slot, and after a barrier the slot *is* the full
+buffer, on every rank: 1/N of the unit copied per rank, and nothing copied out. A
+slot is free when nothing refers to its memory any more (its storage's use count:
+a view kept anywhere, by autograd or a module, keeps it busy), checked after a
+barrier, by which every rank has let go of what it was done with (all run the same
+program). If the ranks do not choose the same free slot (or none is left), that
+gather goes through the backend instead. A
 reduce-scatter works on pieces of a few MB, so its shared area stays small: pack,
 barrier, sum my row of the piece over every rank, barrier. Elsewhere the
 backend's all-gather (started early: prefetch) and reduce-scatter do the same,
@@ -31,7 +33,6 @@ fail at once, naming them, instead of mixing up parameters.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,6 @@ class _Pending:
     tag: int
     work: list  # per bucket: (handle, block, my row) in flight, or the full buffer (shared)
     shared: bool = False
-    free: weakref.finalize | None = None  # gives the slots back (at release, or when dropped)
 
 
 class Transport:
@@ -121,21 +121,23 @@ class Transport:
         self.size, self.index, self.divisor, self.names = size, index, divisor, names
         self.pool, self._grads = Pool(), Pool()
         buckets = [(b, full) for lay in layouts for b, full in zip(lay.buckets, lay.full)]
-        self.arena, self._barriers = None, 0
-        self._free = {k: -1 for k in range(SLOTS)}  # slot -> barrier count when it was freed
+        self.arena, self.slots = None, []
         if size > 1 and buckets and all(b.device.type == "cpu" for b, _ in buckets):
-            self.slot_bytes = max(_aligned(full * b.dtype.itemsize) for b, full in buckets)
             block = max(_aligned(b.numel * b.dtype.itemsize) for b, _ in buckets)
             self.piece_bytes = _aligned(min(block, max(PIECE_BYTES, size * ALIGN)))
-            self.arena = SharedMemoryGroup.create(group, self.piece_bytes, SLOTS * self.slot_bytes)
+            self.arena = SharedMemoryGroup.create(group, self.piece_bytes)
+        if self.arena is not None:
+            # One mapping per slot: its storage's use count says whether it is in use.
+            slot = max(_aligned(full * b.dtype.itemsize) for b, full in buckets)
+            self.slots = [SharedMemoryGroup.create(group, 0, slot) for _ in range(SLOTS)]
+            self.slots = [g for g in self.slots if g is not None]
+            self._idle = [_references(g._data) for g in self.slots]
 
     # -- checks -----------------------------------------------------------------------------
     def _exchange(self, value: int) -> list[int]:
-        self._barriers += 1
         return self.arena.exchange(value)
 
     def _barrier(self) -> None:
-        self._barriers += 1
         self.arena.barrier()
 
     def _check(self, tags: list[int], what: str) -> None:
@@ -155,7 +157,7 @@ class Transport:
     # -- all-gather ---------------------------------------------------------------------------
     def start_gather(self, layout: Layout, tag: int, shards: list[torch.Tensor]) -> _Pending:
         """Start gathering a unit from this rank's flat shards (finish with :meth:`finish`)."""
-        if self.arena is not None:
+        if self.slots:
             shared = self._gather_shared(layout, tag, shards)
             if shared is not None:
                 return shared
@@ -173,15 +175,13 @@ class Transport:
         return _Pending(layout, tag, work)
 
     def _gather_shared(self, layout: Layout, tag: int, shards: list) -> _Pending | None:
-        # A slot freed before a barrier has been freed by every rank by the time all pass
-        # it (they run the same program); this barrier makes it so for the unit the
-        # forward (or backward) has just finished with, so two slots serve a sequence.
+        # After this barrier every rank has let go of the units it was done with.
         self._barrier()
-        free = sorted(k for k, freed in self._free.items() if freed < self._barriers)
+        free = [k for k, g in enumerate(self.slots) if _references(g._data) <= self._idle[k]]
         chosen = free[: len(layout.buckets)] if len(free) >= len(layout.buckets) else []
         views = []
         for bucket, full, k in zip(layout.buckets, layout.full, chosen):
-            view = _own(self.arena.common(k * self.slot_bytes, full, bucket.dtype))
+            view = _own(self.slots[k].common(0, full, bucket.dtype))
             for i in bucket.slots:  # my shard of each parameter, at its place in the slot
                 start, stop = layout.ranges[i]
                 at = layout.starts[i]
@@ -192,24 +192,16 @@ class Transport:
         self._check([c // _CODE for c in codes], "gather")
         if not chosen or len(set(codes)) > 1:
             return None  # the ranks do not agree on free slots: the backend gathers this one
-        for k in chosen:
-            del self._free[k]
-        release = weakref.finalize(views[0], self._release_slots, chosen) if views else None
-        return _Pending(layout, tag, views, shared=True, free=release)
-
-    def _release_slots(self, slots: list[int]) -> None:
-        for k in slots:
-            self._free[k] = self._barriers
+        return _Pending(layout, tag, views, shared=True)
 
     def release(self, pending: _Pending) -> None:
-        """The gathered buffers are no longer used: their slots may be written again."""
-        if pending.free is not None:
-            pending.free()
+        """The gather's buffers are no longer ours (a slot is free once nothing refers to it)."""
+        pending.work = []
 
     def finish(self, pending: _Pending) -> list[torch.Tensor]:
         """Wait for a gather; return each bucket's full flat buffer (parameter after parameter)."""
         if pending.shared:
-            return pending.work
+            return list(pending.work)
         layout, out = pending.layout, []
         for bucket, full_numel, (handle, block, _) in zip(
             layout.buckets, layout.full, pending.work
