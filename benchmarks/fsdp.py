@@ -79,7 +79,7 @@ def mlp_data(name: str):
 # name: (model factory, per-rank batch, blocks to shard separately in FSDP2)
 MODELS = {
     "mlp25m": (MLPS["mlp25m"][0], lambda: mlp_data("mlp25m"), lambda m: list(m)[::2]),
-    "gpt50m": (GPT, lambda: gpt_data(2, 64), lambda m: list(m.h)),
+    "gpt50m": (GPT, lambda: gpt_data(1, 64), lambda m: list(m.h)),
 }
 # One step of this first sets up what every later model shares (DTensor's machinery,
 # gloo's buffers), so that the memory measured is the model's.

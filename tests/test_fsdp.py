@@ -308,10 +308,10 @@ def _grads():
         return F.cross_entropy(apply(p, b, ids)[0], y)
 
     @pardist.data_parallel()
-    def both(p, q, b, data):
+    def both(p, b, data, *, q):  # shards as a keyword argument: not among the step's inputs
         return pardist.grad(loss_fn)(p, b, *data), pardist.grad(loss_fn)(q, b, *data)
 
-    mean, ours = both(params, shards, buffers, batch(0, pardist.rank(), pardist.world_size()))
+    mean, ours = both(params, buffers, batch(0, pardist.rank(), pardist.world_size()), q=shards)
     return mean, {k: (v.to_local(), v.full_tensor()) for k, v in ours.items()}
 
 
