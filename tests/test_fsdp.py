@@ -132,7 +132,14 @@ def train(
         kinds |= k
         losses.append(float(loss))
     specs = pardist.specs(params)
-    return full(params), buffers, losses, kinds, specs, (params, buffers, state)
+
+    @pardist.data_parallel(axis=axis, mesh=mesh, in_specs=(P(), P(), P()))
+    def evaluate(p, b, ids):  # the same whole batch on every rank, without gradients
+        with torch.no_grad():
+            return apply(p, b, ids, train=False)[0]
+
+    logits = evaluate(params, buffers, batch(0)[0])
+    return full(params), buffers, losses, kinds, specs, (params, buffers, state), logits
 
 
 def one_process(opt_name: str):
@@ -147,9 +154,9 @@ def one_process(opt_name: str):
 
 
 def _compare(opt_name, donate, units):
-    dp = train(opt_name, shard=False)[:5]
-    ours = train(opt_name, shard=True, donate=donate, units=units)[:5]
-    return dp, ours
+    dp = train(opt_name, shard=False)
+    ours = train(opt_name, shard=True, donate=donate, units=units)
+    return dp[:5] + dp[6:], ours[:5] + ours[6:]
 
 
 def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
@@ -164,8 +171,13 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
 def test_equals_data_parallel_and_one_process(run, nprocs, opt_name):
     reference, ref_buffers = one_process(opt_name)
     results = run(nprocs, _compare, opt_name, nprocs % 2 == 0, "auto")
-    for (dp, _, dp_losses, dp_kinds, _), ours in results:
-        params, buffers, losses, kinds, specs = ours
+    net = Net()
+    net.load_state_dict({**reference, **ref_buffers}, strict=False)  # head.weight is tied
+    evaluated = net.eval()(batch(0)[0])
+    for (dp, _, dp_losses, dp_kinds, _, dp_logits), ours in results:
+        params, buffers, losses, kinds, specs, logits = ours
+        torch.testing.assert_close(logits, dp_logits, rtol=1e-5, atol=1e-5)  # evaluation
+        torch.testing.assert_close(logits, evaluated, rtol=1e-5, atol=1e-5)
         _close(params, dp)  # unsharded data_parallel at the same ranks
         _close(params, reference)  # one plain torch process on the whole batch
         _close(buffers, ref_buffers)  # sync batch norm's running statistics
