@@ -39,7 +39,7 @@ class StepContext:
     size: int  # product of the axis sizes
     varying: set[int]  # ids of input leaves sharded over the step's axis
     donated: set[int]  # ids of input leaves the caller donated
-    reducers: dict[Any, Any]  # persistent across calls: key -> pardist._reducer.Reducer
+    reducers: dict[Any, Any]  # persistent across calls: reducers by key, agreed row totals
     scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
     # Tensors made in the step that must end it averaged over the axis (batch-norm
     # statistics with sync_bn=False): pardist.grad carries them with the gradients.
@@ -48,6 +48,10 @@ class StepContext:
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
+    inputs: set[int] = dataclasses.field(default_factory=set)  # ids of every input leaf
+    # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
+    # pardist.grad does not report them.
+    loss_scaled: bool = False
 
 
 _active: list[StepContext] = []

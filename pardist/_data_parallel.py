@@ -1,27 +1,28 @@
 """``data_parallel``: run a pure step on every rank's shard of the batch.
 
 No module is wrapped and no hook is installed: the step is an ordinary function
-of parameter trees. ``data_parallel`` reads the specs (which inputs are shards of
-a global batch, which are replicated), checks on the first call (and under
-``PARDIST_DEBUG=1``) that replicated values really agree across ranks, and runs
-the step inside a context that ``pardist.grad``, the optimizers and batch norm
-read: the mesh, the axis, what was donated, and the persistent gradient buckets.
+of parameter trees. ``data_parallel`` is :func:`pardist.shard_map` with its
+``axis`` declared as the *data* axes: the specs default to the
+``step(params, opt_state, batch)`` convention, and inside the step
+``pardist.grad`` averages the gradients of replicated inputs over those axes in
+buckets while the backward runs (the step context carries the mesh, the axes,
+what was donated and the persistent buckets). The first call (and every call
+under ``PARDIST_DEBUG=1``) checks that replicated values really agree across
+ranks. Other mesh axes (``'model'``) work as in ``shard_map``: tensor
+parallelism inside a data-parallel step.
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from pardist import _collectives, _mesh, _replication, _specs, _tree
-from pardist._context import StepContext, debug_enabled, entered
+from pardist import _batchcheck, _mesh
+from pardist._context import debug_enabled
+from pardist._shard_map import Step
 from pardist._specs import P
-from pardist.optim._sharded import ShardedState
 
 __all__ = ["data_parallel"]
 
@@ -34,184 +35,54 @@ _COMPRESSION = {
 }
 
 
-class _Step:
-    """The function ``data_parallel`` returns; holds what persists between calls."""
+class _DataParallelStep(Step):
+    """A ``shard_map`` step whose ``axis`` is data parallel; keeps data_parallel's messages."""
 
-    def __init__(
-        self,
-        fn: Callable,
-        axis,
-        in_specs,
-        out_specs,
-        mesh,
-        donate_argnums,
-        compression,
-        overlap,
-        bucket_mb,
-    ):
-        functools.update_wrapper(self, fn)
-        self.fn, self.axis, self.mesh = fn, axis, mesh
-        self.in_specs, self.out_specs = in_specs, out_specs
-        self.donate_argnums = (
-            (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    kind = "data_parallel"
+
+    def data_axes(self, mesh: _mesh.Mesh) -> tuple[str, ...]:
+        return mesh.axes(self.axis, self.where.removeprefix("pardist."))
+
+    def full_specs(self, args: tuple, axes: tuple[str, ...]) -> tuple:
+        if self.in_specs is None:  # the step(params, opt_state, batch) convention
+            return tuple(P() for _ in args[:-1]) + (P(axes if len(axes) > 1 else axes[0]),)
+        return super().full_specs(args, axes)
+
+    def misfit(self, error: Exception, path: str, leaf: Any, nargs: int, axes) -> Exception:
+        if self.in_specs is not None:
+            return error
+        return _batchcheck.default_misfit(self.where, self.fn, error, path, leaf, nargs, axes)
+
+    def check_batches(self, named: list, specs: list, sharded: list, mesh, axes) -> None:
+        _batchcheck.check_distinct(
+            self.where, self.fn, named, specs, sharded, axes, mesh.group(axes), debug_enabled()
         )
-        if compression not in _COMPRESSION:
-            raise ValueError(
-                f"{self.where}: compression={compression!r}; use None, 'bf16' or 'fp16'."
-            )
-        self.compression = _COMPRESSION[compression]
-        self.overlap, self.bucket_mb = overlap, bucket_mb
-        self.reducers: dict = {}
-        self.calls = 0
-        self._specs_cache: dict = {}
-        self._consumed: dict[int, weakref.ref] = {}  # donated leaves that are now invalid
 
-    @property
-    def where(self) -> str:
-        return f"pardist.data_parallel({getattr(self.fn, '__name__', 'fn')})"
-
-    def _leaf_specs(self, args: tuple, treedef, mesh: _mesh.Mesh, axes: tuple[str, ...]):
-        """Per leaf: its spec; which leaves are sharded, donated; sharded-state signatures."""
-        key = (treedef, id(mesh))
-        if key not in self._specs_cache:
-            specs = self.in_specs
-            if specs is None:  # the step(params, opt_state, batch) convention
-                specs = tuple(P() for _ in args[:-1]) + (P(axes if len(axes) > 1 else axes[0]),)
-            elif not isinstance(specs, (tuple, list)) or len(specs) != len(args):
-                raise ValueError(
-                    f"{self.where}: in_specs must be a tuple with one spec tree per positional "
-                    f"argument; got {_count(specs)} for {len(args)} arguments."
-                )
-            flat = _specs.flat_specs(
-                tuple(specs), args, where=self.where, specs_name="in_specs", tree_name="args"
-            )
-            for (path, leaf), spec in zip(_tree.leaves_with_paths(args, "args"), flat):
-                _specs.check_fits(
-                    spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
-                )
-            # A sharded optimizer state over this axis: its parameters' gradients are
-            # reduce-scattered (its signature is static, part of the tree structure).
-            nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
-            scatter = frozenset(
-                n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
-            )
-            sharded = [i for i, s in enumerate(flat) if set(s.axes) & set(axes)]
-            children = (
-                treedef.children() if hasattr(treedef, "children") else treedef.children_specs
-            )  # torch < 2.9
-            counts = [child.num_leaves for child in children]
-            starts = [sum(counts[:i]) for i in range(len(counts))]
-            donated = [
-                j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])
-            ]
-            self._specs_cache[key] = flat, sharded, donated, scatter
-        return self._specs_cache[key]
-
-    def __call__(self, *args, **kwargs):
-        mesh = self.mesh or _mesh.current_mesh(self.where.removeprefix("pardist."))
-        axes = mesh.axes(self.axis, self.where.removeprefix("pardist."))
-        leaves, treedef = _tree.tree_flatten(args)
-        specs, sharded, donated_idx, scatter = self._leaf_specs(args, treedef, mesh, axes)
-        if self._consumed:
-            self._check_not_consumed(leaves, args)
-        check = self.calls == 0 or debug_enabled()
-        group = mesh.group(axes) if check else None
-        if check:
-            named = _tree.leaves_with_paths(args, "args")
-            problem = _replication.mismatch(_replicated(named, specs, axes), group)
-            if problem:
-                raise ValueError(
-                    f"{self.where}: replicated inputs must be identical on every rank of "
-                    f"axis {self.axis!r}, but {problem}. Build them the same way on every rank "
-                    "(seed before creating the model: pardist.seed_everything(0)), or copy "
-                    "rank 0's values with pardist.broadcast(tree); if the input is a per-rank "
-                    "shard, give it a sharded spec such as P('gpu') in in_specs."
-                )
-        donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
-        ctx = StepContext(
-            name=self.where,
-            mesh=mesh,
-            axis=axes,
-            size=mesh.size(axes),
-            varying={id(leaves[i]) for i in sharded}
-            | {id(x) for x in leaves if isinstance(x, DTensor)},
-            scatter=scatter,
-            donated=donated,
-            reducers=self.reducers,
-            compression=self.compression,
-            overlap=self.overlap,
-            bucket_bytes=int(self.bucket_mb * 2**20),
+    def replicated_input_error(self, problem: str, over: tuple, axes: tuple, nargs: int) -> str:
+        axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)
+        hint = ""
+        if self.in_specs is None:
+            hint = " " + " ".join(_batchcheck.default_specs(self.fn, nargs, axes))
+        return (
+            f"{self.where}: replicated inputs must be identical on every rank of axis "
+            f"{axis if set(over) <= set(axes) else over!r}, but "
+            f"{problem}. Build them the same way on every rank (seed before creating the "
+            "model: pardist.seed_everything(0)), or copy rank 0's values with "
+            "pardist.broadcast(tree); if the input is a per-rank shard, give it a sharded spec "
+            "such as P('gpu') in in_specs." + hint
         )
-        with entered(ctx):
-            out = self.fn(*args, **kwargs)
-            if ctx.pending_means:  # statistics no gradient computation carried
-                means = _collectives.pmean(ctx.pending_means, axes)
-                for t, mean in zip(ctx.pending_means, means):
-                    t.copy_(mean)
-        self.calls += 1
-        if check:
-            self._check_outputs(out, mesh, axes, group)
-        if donated:
-            kept = {id(x) for x in _tree.tree_leaves(out)}
-            for x in leaves:
-                if id(x) in donated and id(x) not in kept:
-                    self._consumed[id(x)] = weakref.ref(x)
-        return out
 
-    def _check_not_consumed(self, leaves: list, args: tuple) -> None:
-        def consumed(leaf: Any) -> bool:
-            ref = self._consumed.get(id(leaf))
-            return ref is not None and ref() is leaf
-
-        if not any(consumed(leaf) for leaf in leaves):
-            self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
-            return
-        for path, leaf in _tree.leaves_with_paths(args, "args"):
-            if consumed(leaf):
-                raise ValueError(
-                    f"{self.where}: {path} was donated to an earlier call "
-                    f"(donate_argnums={self.donate_argnums}) and may have been overwritten. "
-                    "Pass the value that call returned instead (params, opt_state = "
-                    "step(params, opt_state, batch)), or drop it from donate_argnums."
-                )
-
-    def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes: tuple[str, ...], group) -> None:
-        specs = self.out_specs
-        named = _tree.leaves_with_paths(out, "output")
-        flat = (
-            _specs.flat_specs(
-                specs, out, where=self.where, specs_name="out_specs", tree_name="output"
-            )
-            if specs is not None
-            else [P()] * len(named)
+    def replicated_output_error(self, problem: str, over: tuple, axes: tuple) -> str:
+        axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)
+        if not set(over) & set(axes):  # a model axis: the general advice
+            return super().replicated_output_error(problem, over, axes)
+        return (
+            f"{self.where}: {problem}, but out_specs says it is replicated (P()). "
+            f"If it holds gradients from torch.func.grad, use pardist.grad, which "
+            f"averages them over {axis!r}; if it is a per-rank value (a local loss), "
+            f"reduce it with pardist.pmean(x, {axis!r}) or give it a sharded out_spec "
+            f"such as P({axis!r})."
         )
-        for (path, leaf), spec in zip(named, flat):
-            _specs.check_fits(
-                spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
-            )
-        problem = _replication.mismatch(_replicated(named, flat, axes), group)
-        if problem:
-            axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)
-            raise ValueError(
-                f"{self.where}: {problem}, but out_specs says it is replicated (P()). "
-                f"If it holds gradients from torch.func.grad, use pardist.grad, which "
-                f"averages them over {axis!r}; if it is a per-rank value (a local loss), "
-                f"reduce it with pardist.pmean(x, {axis!r}) or give it a sharded out_spec "
-                f"such as P({axis!r})."
-            )
-
-
-def _count(specs: Any) -> str:
-    return str(len(specs)) if isinstance(specs, (tuple, list)) else f"a {type(specs).__name__}"
-
-
-def _replicated(named: list, specs: list, axes: tuple[str, ...]) -> list:
-    """The (path, leaf) pairs meant to be identical on every rank of ``axes``."""
-    return [
-        (p, x)
-        for (p, x), s in zip(named, specs)
-        if not set(s.axes) & set(axes) and not isinstance(x, DTensor)
-    ]
 
 
 def data_parallel(
@@ -240,7 +111,9 @@ def data_parallel(
             data parallel over.
         in_specs: a tuple with one spec tree per positional argument (each a
             prefix of that argument's tree): ``P()`` replicated, ``P('gpu')`` dim 0
-            split over 'gpu'. Keyword arguments are always replicated.
+            split over 'gpu'. Keyword arguments are always replicated. Specs may
+            also split weights over other axes of ``mesh`` (``P(None, 'model')``):
+            tensor parallelism inside the step, as in :func:`pardist.shard_map`.
         out_specs: a spec tree for the output; default: all replicated. Replicated
             outputs must agree across ranks; the first call (and every call under
             ``PARDIST_DEBUG=1``) checks, naming the output path that differs.
@@ -257,7 +130,11 @@ def data_parallel(
         bucket_mb: gradient bucket size in MiB (DDP's ``bucket_cap_mb``).
 
     Returns:
-        A function with ``fn``'s signature.
+        A function with ``fn``'s signature. Its first call (and every call under
+        ``PARDIST_DEBUG=1``) also checks that the sharded arguments differ between
+        ranks: every rank fed the same batch is a
+        :class:`pardist.DuplicateBatchWarning` (an error under ``PARDIST_DEBUG=1``)
+        that names the argument and ``pardist.data.shard``.
 
     Example:
         >>> import pardist, torch
@@ -292,6 +169,19 @@ def data_parallel(
             "pardist.data_parallel: in_specs must be a tuple with one spec tree "
             f"per positional argument, got a {type(in_specs).__name__}."
         )
-    return _Step(
-        fn, axis, in_specs, out_specs, mesh, donate_argnums, compression, overlap, bucket_mb
+    if compression not in _COMPRESSION:
+        raise ValueError(
+            f"pardist.data_parallel({getattr(fn, '__name__', 'fn')}): compression="
+            f"{compression!r}; use None, 'bf16' or 'fp16'."
+        )
+    return _DataParallelStep(
+        fn,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        donate_argnums=donate_argnums,
+        axis=axis,
+        compression=_COMPRESSION[compression],
+        overlap=overlap,
+        bucket_mb=bucket_mb,
     )

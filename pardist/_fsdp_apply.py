@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pardist import _fsdp
+from pardist import _fsdp, _vma
 from pardist._context import current_step
 from pardist._fsdp_gather import Gather, Gathered, Packed, unpack
 from pardist._fsdp_plan import Plan, Unit
@@ -227,6 +227,15 @@ class Runner:
                 f"{self.where}: pardist.fsdp parameters cannot be used under torch.func "
                 "transforms (vmap, grad, jacrev): their gather and reduce-scatter are "
                 "collectives. Differentiate with pardist.grad, outside other transforms."
+            )
+        tracked = _vma.current()
+        if tracked is not None:  # the gathers are not typed: model axes would go unseen
+            model = sorted(tracked.live - tracked.data)
+            raise RuntimeError(
+                f"{self.where}: pardist.fsdp parameters in a step whose mesh also has the "
+                f"model axes {model} are not supported yet (tensor parallelism with FSDP). "
+                f"Name every axis of size > 1 in the step's axis (HSDP: axis=('node', 'gpu')), "
+                "or keep these parameters unsharded."
             )
         key = (
             tuple((k, id(v.device_mesh), v.shape, v.dtype) for k, v in shards.items()),

@@ -6,9 +6,10 @@ transpose of replication (identity forward, mean backward), so it must happen
 *inside* the function being differentiated; applied to a step's inputs outside
 the transform, the backward would never run. In the common case (not nested in
 another torch.func transform) the backward of that identity hands each gradient
-to a bucketed :class:`~pardist._reducer.Reducer` the moment autograd produces it,
-which is how torch DDP overlaps communication with the backward. Nested in
-another transform, each gradient is averaged by a differentiable collective.
+to a bucketed :class:`~pardist._reducer.Reducer` the moment autograd produces it
+(``_bucketed``), which is how torch DDP overlaps communication with the
+backward. Nested in another transform, each gradient is averaged by a
+differentiable collective.
 
 Outside a step both functions are exactly torch.func's.
 """
@@ -16,39 +17,53 @@ Outside a step both functions are exactly torch.func's.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.func
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from pardist import _collectives, _fsdp, _microbatch, _tree
-from pardist._context import StepContext, current_step
-from pardist._reducer import Reducer
-from pardist._zero import ScatterReducer, signature
+from pardist import _bucketed, _collectives, _microbatch, _perrank, _tree, _vma
+from pardist._bucketed import Call
+from pardist._context import current_step
 
 __all__ = ["grad", "value_and_grad"]
 
+_MEANS = ("ranks", "rows")
+
 
 class _MeanGrad(torch.autograd.Function):
-    """Identity forward; the backward is a differentiable mean over the groups."""
+    """Identity forward; the backward is a differentiable mean over the groups.
+
+    ``divisor`` (a row-weighted mean: total rows / this rank's rows) divides each
+    rank's cotangent before the sum instead. It is differentiated as the plain
+    mean, as every weighted reduction here is: the weights enter once, where
+    first-order gradients are reduced, not again in an outer transform.
+    """
 
     @staticmethod
-    def forward(x, groups, size):
+    def forward(x, groups, size, divisor):
         return x.view_as(x)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.groups, ctx.size = inputs[1], inputs[2]
+        ctx.groups, ctx.size, ctx.divisor = inputs[1], inputs[2], inputs[3]
 
     @staticmethod
     def backward(ctx, g):
-        return _collectives._Psum.apply(g, ctx.groups) / ctx.size, None, None
+        if ctx.divisor == math.inf:  # a rank without rows: no weight (nor its nan gradient)
+            g = torch.zeros_like(g)
+        plain = _collectives._Psum.apply(g, ctx.groups) / ctx.size
+        if ctx.divisor is not None:
+            weighted = _collectives._Psum.apply(g.detach() / ctx.divisor, ctx.groups)
+            plain = plain + (weighted - plain).detach()
+        return plain, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, groups, size):
-        return _MeanGrad.apply(x, groups, size), in_dims[0]
+    def vmap(info, in_dims, x, groups, size, divisor):
+        return _MeanGrad.apply(x, groups, size, divisor), in_dims[0]
 
 
 def _argnums_tuple(argnums: int | tuple[int, ...], nargs: int, where: str) -> tuple[int, ...]:
@@ -61,72 +76,29 @@ def _argnums_tuple(argnums: int | tuple[int, ...], nargs: int, where: str) -> tu
     return tuple(n % nargs for n in nums)
 
 
-def _split(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(f"{where}: with has_aux=True, f must return (value, aux).")
-        value, aux = out
-    else:
-        value, aux = out, None
-    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
-        what = (
-            f"shape {tuple(value.shape)}"
-            if isinstance(value, torch.Tensor)
-            else type(value).__name__
-        )
+def _check_options(accumulate: int, mean: str, where: str) -> None:
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"{where}: accumulate={accumulate!r}; give a number of micro-batches.")
+    if mean not in _MEANS:
         raise ValueError(
-            f"{where}: f must return a floating-point scalar tensor to differentiate, got "
-            f"{what}. Reduce it first (e.g. loss.mean())."
+            f"{where}: mean={mean!r}; use 'ranks' (each rank's gradient counts equally, as "
+            "in DDP) or 'rows' (each row of the global batch counts equally)."
         )
-    return value, aux
 
 
-def _scatter_reducer(ctx: StepContext, like: list[torch.Tensor]) -> ScatterReducer:
-    key = ("scatter", signature(like), tuple(t.device for t in like), ctx.axis, ctx.bucket_bytes)
-    if key not in ctx.reducers:
-        ctx.reducers[key] = ScatterReducer(
-            like,
-            ctx.mesh.group(ctx.axis),
-            ctx.size,
-            ctx.mesh.index(ctx.axis),
-            bucket_bytes=ctx.bucket_bytes,
-            first_bucket_bytes=ctx.first_bucket_bytes,
+def _rows(flat: list, masks: list, weighted: bool, where: str) -> int:
+    """This rank's number of batch rows (-1 where the batch leaves disagree)."""
+    sizes = _microbatch.rows(flat, masks)
+    if len(sizes) == 1:
+        return next(iter(sizes.values()))
+    if weighted:
+        shown = ", ".join(f"{path} has {n}" for path, n in sizes.items())
+        raise ValueError(
+            f"{where}: mean='rows' weighs each rank by its rows, but the batch leaves "
+            f"disagree on how many it has ({shown} along dim 0). Name the arguments that "
+            "hold the batch with batch_argnums=(...), or use mean='ranks'."
         )
-    return ctx.reducers[key]
-
-
-def _as_shard(local: torch.Tensor, like: torch.Tensor, ctx: StepContext) -> DTensor:
-    """This rank's flat shard of a mean gradient, as a DTensor that knows its layout."""
-    return DTensor.from_local(
-        local,
-        ctx.mesh.submesh(ctx.axis),
-        [Shard(0)],
-        shape=(like.numel(),),
-        stride=(1,),
-        run_check=False,
-    )
-
-
-def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
-    key = (
-        tuple((t.shape, t.dtype, t.device) for t in like),
-        ctx.axis,
-        ctx.compression,
-        ctx.overlap,
-        ctx.bucket_bytes,
-        ctx.first_bucket_bytes,
-    )
-    if key not in ctx.reducers:
-        ctx.reducers[key] = Reducer(
-            like,
-            ctx.mesh.groups(ctx.axis),
-            ctx.size,
-            comm_dtype=ctx.compression,
-            overlap=ctx.overlap,
-            bucket_bytes=ctx.bucket_bytes,
-            first_bucket_bytes=ctx.first_bucket_bytes,
-        )
-    return ctx.reducers[key]
+    return -1
 
 
 def _in_transform(leaves: list[torch.Tensor]) -> bool:
@@ -136,184 +108,127 @@ def _in_transform(leaves: list[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
-def _compute(
-    f: Callable,
-    argnums,
-    has_aux: bool,
-    accumulate: int,
-    batch_argnums,
-    args: tuple,
-    kwargs: dict,
-    where: str,
-):
-    """(value, aux, grads like args[argnums], whether value is already the global mean)."""
+def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kwargs, where: str):
+    """(value, aux, grads like args[argnums]); inside a step the value is the global loss."""
     nums = _argnums_tuple(argnums, len(args), where)
-    batch_nums = tuple(n for n in _argnums_tuple(batch_argnums, len(args), where) if n not in nums)
     ctx = current_step()
-    flat, treedefs = [], []
+    k, mean = options["accumulate"], options["mean"]
+    weighted = mean == "rows" and ctx is not None and ctx.size > 1
+    flat = [_tree.tree_flatten(a) for a in args]
+    masks = _microbatch.batch_masks(
+        flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted
+    )
+    carry = _microbatch.check_carry(options["carry"], len(args), nums, masks, has_aux, where)
     for n in nums:
-        part, treedef = _tree.tree_flatten(args[n])
-        if not all(isinstance(t, torch.Tensor) for t in part):
+        if not all(isinstance(t, torch.Tensor) for t in flat[n][0]):
             _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
-        flat.append(part)
-        treedefs.append(treedef)
-    leaves = [leaf for part in flat for leaf in part]
-    differentiable = all(t.is_floating_point() or t.is_complex() for t in leaves)
-    for n, part in zip(nums, [] if differentiable else flat):
-        for path, leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), part):
-            if not (leaf.is_floating_point() or leaf.is_complex()):
-                raise TypeError(
-                    f"{where}: {path[0]} has dtype {leaf.dtype}; only "
-                    "floating-point tensors can be differentiated."
-                )
+    leaves = [leaf for n in nums for leaf in flat[n][0]]
+    if not all(t.is_floating_point() or t.is_complex() for t in leaves):
+        for n in nums:
+            for (path, _), leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), flat[n][0]):
+                if not (leaf.is_floating_point() or leaf.is_complex()):
+                    raise TypeError(
+                        f"{where}: {path} has dtype {leaf.dtype}; only "
+                        "floating-point tensors can be differentiated."
+                    )
+    split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
     # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
     # reduce-scatters their gradients, so they take no part in the all-reduce.
     replicated = [
-        ctx is not None and id(t) not in ctx.varying and not isinstance(t, DTensor) for t in leaves
+        ctx is not None
+        and id(t) not in ctx.varying
+        and _vma.invariant_over_data(t)
+        and not isinstance(t, DTensor)
+        for t in leaves
     ]
-    reduce = ctx is not None and ctx.size > 1 and any(replicated)
+    if weighted and any(isinstance(t, DTensor) for t in leaves):
+        raise ValueError(
+            f"{where}: mean='rows' is not supported with pardist.fsdp parameters yet (their "
+            "gradients are reduce-scattered as the mean over ranks); use mean='ranks'."
+        )
+    if any(s and r for s, r in zip(split, replicated)):
+        raise ValueError(
+            f"{where}: batch_argnums names a differentiated input that is replicated over "
+            "the step's axis; only this rank's shard of the batch can be split."
+        )
+    call = Call(f, nums, has_aux, k, mean, args, kwargs, where, flat, masks, carry)
+    call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
+    call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
+    call.need_value = options["need_value"]
     if ctx is None or _in_transform(leaves):
-        return _compute_functorch(
-            f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
-        )
-    rep = [t for t, r in zip(leaves, replicated) if r]
-    rep_index = {i: j for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
-    scatter = reduce and bool(ctx.scatter) and signature(rep) in ctx.scatter
-    # One pass with an all-reduce: the reducer is made after the forward, so that the
-    # statistics the forward left to average (batch norm with sync_bn=False) ride in
-    # the gradient buckets instead of costing a collective of their own.
-    late = reduce and not scatter and accumulate == 1
-    hand, pending = _HandOver(), []
-    if (reduce or accumulate > 1) and not late:
-        hand.use(ctx, rep, scatter, reduce, [], accumulate)
-    local_sum: list[torch.Tensor | None] = [None] * len(leaves)
-    values, auxes = [], []
-    for j, margs in enumerate(_microbatch.split(args, batch_nums, accumulate, where)):
-        if hand.reducer is not None and j == accumulate - 1:
-            hand.reducer.last_micro_batch()
-        if any(isinstance(t, DTensor) for t in leaves):  # FSDP shards: usable only by apply
-            inputs = _fsdp.grad_inputs(leaves, args, nums, where)
-        else:
-            inputs = [t.detach().requires_grad_() for t in leaves]
-        for i, x in enumerate(inputs):
-            if replicated[i] and (reduce or accumulate > 1):
-                # The reducer takes each gradient the moment autograd produces it.
-                x.register_hook(functools.partial(hand, rep_index[i]))
-        call = list(margs)
-        start = 0
-        for n, part, treedef in zip(nums, flat, treedefs):
-            call[n] = _tree.tree_unflatten(inputs[start : start + len(part)], treedef)
-            start += len(part)
-        mark = len(ctx.pending_means)
-        with torch.enable_grad():
-            value, aux = _split(f(*call, **kwargs), has_aux, where)
-        if late:
-            pending = ctx.pending_means[mark:]
-            del ctx.pending_means[mark:]
-            hand.use(ctx, rep, False, True, pending, 1)
-        if hand.carry:
-            hand.reducer.add(0, value.detach())
-            for k, t in enumerate(pending):
-                hand.reducer.add(1 + k, t)
-        if value.requires_grad:
-            got = torch.autograd.grad(value, inputs, allow_unused=True)
-            for i, g in enumerate(got):
-                if g is not None and (hand.reducer is None or not replicated[i]):
-                    local_sum[i] = g if local_sum[i] is None else local_sum[i] + g
-        values.append(value.detach())
-        auxes.append(
-            _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-        )
-    reduced = hand.reducer.finish() if hand.reducer is not None else []
-    for k, t in enumerate(pending):
-        t.copy_(reduced[1 + k])  # the averaged statistics, into the tensors apply returned
-    grads = []
-    for i, t in enumerate(leaves):
-        if hand.reducer is not None and replicated[i]:
-            g = reduced[hand.base + rep_index[i]]
-            grads.append(_as_shard(g, t, ctx) if scatter else g)
-        elif local_sum[i] is None:
-            grads.append(torch.zeros_like(t))
-        else:
-            grads.append(local_sum[i] / accumulate if accumulate > 1 else local_sum[i])
-    if reduce and hand.carry:
-        # The global mean loss, copied out: callers keep losses, not bucket views.
-        value, mean_done = reduced[0].to(values[0].dtype, copy=True), True
+        value, aux, grads = _compute_functorch(call, ctx, leaves)
     else:
-        value = torch.stack(values).mean() if accumulate > 1 else values[0]
-        mean_done = False
-    return value, _microbatch.stack(auxes), _regroup(grads, flat, treedefs), mean_done
+        value, aux, grads = _bucketed.compute(call, ctx, leaves)
+    return value, aux, _regroup(grads, [flat[n] for n in nums])
 
 
-class _HandOver:
-    """What gradient hooks call: the reducer (which may be made after the forward)."""
-
-    reducer: Reducer | None = None
-    carry = 0  # slot 0 carries the loss, slots 1.. the statistics to average
-    base = 0  # the first gradient's slot
-
-    def use(
-        self,
-        ctx: StepContext,
-        rep: list,
-        scatter: bool,
-        reduce: bool,
-        pending: list,
-        accumulate: int,
-    ) -> None:
-        if scatter:  # a sharded optimizer takes these: reduce-scatter (ZeRO-2)
-            self.reducer, self.carry, self.base = _scatter_reducer(ctx, rep), 0, 0
-        else:
-            self.carry = 1 if rep else 0
-            scalar = [torch.empty((), dtype=rep[0].dtype, device=rep[0].device)] if rep else []
-            like = scalar + list(pending) + rep
-            self.reducer = _reducer(ctx, like) if reduce else Reducer(like, [], 1)
-            self.base = self.carry + len(pending)
-        self.reducer.begin(accumulate)
-
-    def __call__(self, index: int, grad: torch.Tensor) -> None:
-        self.reducer.add(self.base + index, grad)
-
-
-def _regroup(grads: list, flat: list, treedefs: list) -> Any:
+def _regroup(grads: list, flat: list) -> Any:
     out, start = [], 0
-    for part, treedef in zip(flat, treedefs):
+    for part, treedef in flat:
         out.append(_tree.tree_unflatten(grads[start : start + len(part)], treedef))
         start += len(part)
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def _compute_functorch(
-    f, nums, has_aux, accumulate, batch_nums, args, kwargs, ctx, replicated, where
-):
-    """torch.func.grad, with a differentiable mean on replicated inputs inside a step."""
-    groups = ctx.mesh.groups(ctx.axis) if ctx is not None else []
-    flags = iter(replicated)
-    marks = {n: _tree.tree_map(lambda _: next(flags), args[n]) for n in nums}
+def _compute_functorch(call: Call, ctx, leaves: list):
+    """torch.func.grad, with a differentiable mean on replicated inputs inside a step.
 
-    def marked(*call):
-        call = list(call)
+    Here the value stays differentiable (an outer transform may differentiate
+    through it), so it is averaged by a differentiable collective.
+    """
+    groups = ctx.mesh.groups(ctx.axis) if ctx is not None and ctx.size > 1 else []
+    divisor, total = None, 0
+    if groups and call.mean == "rows":
+        total = _perrank.total_rows(call.rows, ctx)
+        divisor = total / call.rows if call.rows > 0 else math.inf
+    flags = iter(call.replicated)
+    marks = {n: _tree.tree_map(lambda _: next(flags), call.args[n]) for n in call.nums}
+    scale = [1]  # the backward's seed (the gradient is linear in it), set by each forward
+
+    def marked(*args):
+        args = list(args)
         if groups:
-            for n in nums:
-                call[n] = _tree.tree_map(
-                    lambda x, r: _MeanGrad.apply(x, groups, ctx.size) if r else x, call[n], marks[n]
+            for n in call.nums:
+                args[n] = _tree.tree_map(
+                    lambda x, r: (
+                        _vma.lifted_over_data(_MeanGrad.apply(x, groups, ctx.size, divisor), x)
+                        if r
+                        else x
+                    ),
+                    args[n],
+                    marks[n],
                 )
-        out = f(*call, **kwargs)
-        _split(out, has_aux, where)  # pardist's error for a non-scalar value
+        out = call.f(*args, **call.kwargs)
+        # pardist's error for a non-scalar; the seed, once the loss's type is known
+        scale[0] = _vma.seed_scale(_bucketed.split_value(out, call.has_aux, call.where)[0])
         return out
 
-    results = []
-    for margs in _microbatch.split(args, batch_nums, accumulate, where):
-        g, out = torch.func.grad_and_value(
-            marked, argnums=nums if len(nums) > 1 else nums[0], has_aux=has_aux
-        )(*margs)
-        value, aux = out if has_aux else (out, None)
-        results.append((value, aux, g))
-    if accumulate == 1:
-        return (*results[0], False)
-    grads = _tree.tree_map(lambda *gs: sum(gs) / accumulate, *[r[2] for r in results])
-    value = torch.stack([r[0] for r in results]).mean()
-    return value, _microbatch.stack([r[1] for r in results]), grads, False
+    nums = call.nums if len(call.nums) > 1 else call.nums[0]
+    values, auxes, grads = [], [], []
+    for j, margs, _ in call.micro_batches():
+        g, out = torch.func.grad_and_value(marked, argnums=nums, has_aux=call.has_aux)(*margs)
+        if scale[0] != 1:
+            g = _tree.tree_map(lambda t: t * scale[0], g)
+        value, aux = out if call.has_aux else (out, None)
+        call.took(j, aux)
+        values.append(value)
+        auxes.append(aux)
+        grads.append(_tree.tree_flatten(g)[0])
+    k = call.accumulate
+    local = [sum(column) for column in zip(*grads)] if k > 1 else grads[0]
+    parts = [list(column) for column in zip(*grads)]
+    value = torch.stack(values).mean() if k > 1 else values[0]
+    if groups and call.need_value and call.mean == "rows":
+        # The row-weighted value, differentiated as the mean over ranks: the marks on
+        # the replicated inputs (_MeanGrad) already weigh each rank by its rows, and an
+        # outer transform must not weigh them twice. An empty shard adds nothing.
+        mine = value if call.rows > 0 else value.new_zeros(())
+        plain = _collectives._Psum.apply(mine, groups) / ctx.size
+        weighted = _collectives._Psum.apply(mine.detach() * max(call.rows, 0), groups) / total
+        value = plain + (weighted - plain).detach()
+    elif groups and call.need_value:
+        value = _collectives._Psum.apply(value, groups) / ctx.size
+    return value, call.aux(auxes), _vma.typed_like(call.combine(local, parts, leaves), leaves)
 
 
 def grad(
@@ -322,7 +237,9 @@ def grad(
     has_aux: bool = False,
     *,
     accumulate: int = 1,
-    batch_argnums: int | tuple[int, ...] = -1,
+    batch_argnums: int | tuple[int, ...] | None = None,
+    carry: int | None = _microbatch.UNSET,
+    mean: str = "ranks",
 ) -> Callable:
     """The gradient of ``f`` with respect to ``args[argnums]``, as ``torch.func.grad``.
 
@@ -337,9 +254,35 @@ def grad(
         has_aux: ``f`` returns ``(value, aux)``; the result is then ``(grads, aux)``.
         accumulate: split the batch into this many micro-batches (along dim 0,
             with einops) and run them one after another, reducing once: the
-            result equals one pass over the whole batch, in less memory. ``aux``
-            then comes back stacked along a new leading dim of size ``accumulate``.
-        batch_argnums: the argument(s) that hold the batch, for ``accumulate``.
+            result equals one pass over the whole batch, in less memory.
+        batch_argnums: the argument(s) holding the batch, which ``accumulate``
+            splits. Default: inside a step, every tensor that holds this rank's
+            shard of the step's batch (by the step's ``in_specs``), in whichever
+            arguments of ``f`` it is; outside a step, the one argument that is not
+            differentiated.
+        carry: with ``accumulate`` and ``has_aux``, the argument whose next value
+            ``f`` returns as aux, as ``loss_fn(params, buffers, x, y)`` returns the
+            batch-norm buffers: ``carry=1`` hands micro-batch j's aux to micro-batch
+            j+1 as ``args[1]`` and returns the last one, as a plain loop over the
+            micro-batches would. ``carry=None``: aux is stacked along a new dim 0,
+            one entry per micro-batch. Unset, an aux shaped like an argument is an
+            error asking which is meant.
+        mean: inside a step, how ranks are weighed in the gradient mean (and the
+            loss): ``'ranks'``, each rank's gradient counts equally (DDP's
+            convention; the global-batch gradient when shards are equal);
+            ``'rows'``, each rank counts by its batch rows (dim 0 of its shard), so
+            shards of unequal size give the gradient of the mean loss over the
+            whole global batch, for a loss that is a mean over rows. With equal
+            shards both give the same bits. The row counts ride in the gradient
+            buckets; the first call agrees on the total once.
+
+    Raises:
+        FloatingPointError: under ``PARDIST_DEBUG=1``, when the loss is not finite
+            on some rank; the error names the rank(s). Without it that is a
+            :class:`pardist.NonFiniteLossWarning` (on CPU every step; on GPUs, whose
+            host it would stall, only under ``PARDIST_DEBUG=1``). Steps that
+            :func:`pardist.amp.dynamic_loss_scale` scales are skipped by it, not
+            reported.
 
     Example:
         >>> import pardist, torch
@@ -352,14 +295,16 @@ def grad(
         tensor([36., 51., 66.])
     """
     where = f"pardist.grad({getattr(f, '__name__', 'f')})"
+    _check_options(accumulate, mean, where)
+    options = dict(
+        accumulate=accumulate, batch_argnums=batch_argnums, carry=carry, mean=mean, need_value=False
+    )
 
     @functools.wraps(f)
     def grad_f(*args, **kwargs):
         if current_step() is None and accumulate == 1:
             return torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
-        _, aux, grads, _ = _compute(
-            f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
-        )
+        _, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return (grads, aux) if has_aux else grads
 
     return grad_f
@@ -371,15 +316,18 @@ def value_and_grad(
     has_aux: bool = False,
     *,
     accumulate: int = 1,
-    batch_argnums: int | tuple[int, ...] = -1,
+    batch_argnums: int | tuple[int, ...] | None = None,
+    carry: int | None = _microbatch.UNSET,
+    mean: str = "ranks",
 ) -> Callable:
     """``(value, grads)`` (JAX's order), or ``((value, aux), grads)`` with ``has_aux``.
 
     Inside a data-parallel step the gradients are those of the global objective,
-    the mean of ``f`` over the step's axis, and so is the returned value (a
-    scalar all-reduce); ``aux`` stays per rank. Outside a step this is
-    ``torch.func.grad_and_value`` with its results swapped. Arguments as for
-    :func:`grad`.
+    the mean of ``f`` over the step's axis, and so is the returned value, in
+    ``f``'s own dtype (full precision, whatever the compression): every rank's
+    exact loss rides in the gradient buckets. ``aux`` stays per rank. Outside a
+    step this is ``torch.func.grad_and_value`` with its results swapped.
+    Arguments as for :func:`grad`.
 
     Example:
         >>> import pardist, torch
@@ -388,18 +336,17 @@ def value_and_grad(
         (tensor(2.), tensor([2., 2.]))
     """
     where = f"pardist.value_and_grad({getattr(f, '__name__', 'f')})"
+    _check_options(accumulate, mean, where)
+    options = dict(
+        accumulate=accumulate, batch_argnums=batch_argnums, carry=carry, mean=mean, need_value=True
+    )
 
     @functools.wraps(f)
     def value_and_grad_f(*args, **kwargs):
-        ctx = current_step()
-        if ctx is None and accumulate == 1:
+        if current_step() is None and accumulate == 1:
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
             return out, grads
-        value, aux, grads, mean_done = _compute(
-            f, argnums, has_aux, accumulate, batch_argnums, args, kwargs, where
-        )
-        if ctx is not None and ctx.size > 1 and not mean_done:
-            value = _collectives.pmean(value, ctx.axis)
+        value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return ((value, aux) if has_aux else value), grads
 
     return value_and_grad_f

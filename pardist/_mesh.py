@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pardist import _runtime
+from pardist import _faults, _runtime
 
 __all__ = ["Mesh", "current_mesh", "default_mesh", "forget_default_mesh"]
 
@@ -75,6 +75,9 @@ class Mesh:
             self.device_type, tuple(axes.values()), mesh_dim_names=tuple(axes)
         )
         self._flat: dict[tuple[str, ...], _runtime.GroupRef] = {}
+        for name, size in axes.items():  # so that a failed collective can name its axis
+            if size > 1:
+                _faults.label_group(self._device_mesh.get_group(name), repr(name))
         _live.add(self)
 
     @property
@@ -149,6 +152,7 @@ class Mesh:
                 group = dist.group.WORLD
             else:
                 group = self.device_mesh[names]._flatten().get_group()
+            _faults.label_group(group, repr(names))
             self._flat[names] = _runtime.GroupRef(group)
         return self._flat[names].get()
 

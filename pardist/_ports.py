@@ -121,7 +121,8 @@ def check_endpoint(
     if owner == "free" or (owner == "store" and not must_host):
         return owner
     what = (
-        "a torch rendezvous store that this node was told to host, so another job holds it"
+        "the torch rendezvous store of another job (this node must host its own store, "
+        "as a one-machine job or the node given is_host does)"
         if owner == "store"
         else "another program (it does not answer as a torch rendezvous store, and torch's "
         "rendezvous would wait for it forever)"
@@ -130,5 +131,5 @@ def check_endpoint(
         f"{where}: port {port} on {host} ({option}) is already in use by {what}. "
         f"Pick a free port for {option} (the same on every node), or stop the program "
         f"that holds it (find it with: ss -ltnp 'sport = :{port}'). On a single machine, "
-        "leave the port out and one is picked for you."
+        "leave the port out, or pass --standalone, and a free one is picked for you."
     )

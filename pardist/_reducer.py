@@ -24,15 +24,17 @@ are staged through a smaller shared region; elsewhere gloo or nccl reduce.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 import torch
 import torch.distributed as dist
 
+from pardist import _faults
 from pardist._runtime import GroupRef
 from pardist._shm import ALIGN, SharedMemoryGroup
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "check_layout"]
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -40,6 +42,47 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 def _references(t: torch.Tensor) -> int:
     # The count includes the temporary storage object made to ask.
     return _use_count(t.untyped_storage()._cdata) if _use_count is not None else 1 << 30
+
+
+def _differ(ranks: list[int], layouts: list[list]) -> str:
+    """The first way the ranks' lists of (shape, dtype) differ from the first rank's."""
+    first = layouts[0]
+    for r, theirs in zip(ranks[1:], layouts[1:]):
+        if len(theirs) != len(first):
+            return (
+                f"rank {r} has {len(theirs)} tensors to reduce where rank {ranks[0]} "
+                f"has {len(first)}"
+            )
+        for a, b in zip(first, theirs):
+            if a != b:
+                return f"a {a[1]} {a[0]} gradient on rank {ranks[0]} is {b[1]} {b[0]} on rank {r}"
+    return "they differ"
+
+
+def check_layout(like: list[torch.Tensor], groups: list, where: str) -> None:
+    """Raise on every rank if the ranks of ``groups`` would reduce different tensors.
+
+    Run once, when buckets are laid out: buckets of different layouts would add
+    unrelated gradients (or read past a shorter rank's memory) without a word.
+    One small gather of a digest per group; the full lists only when they differ.
+    """
+    mine = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in like]
+    digest = hashlib.blake2b(repr(mine).encode(), digest_size=16).hexdigest()
+    for group in groups:
+        ranks = dist.get_process_group_ranks(group)
+        digests: list = [None] * len(ranks)
+        with _faults.collective_errors(f"{where} (comparing gradient layouts)", group):
+            dist.all_gather_object(digests, digest, group=group)
+            if len(set(digests)) == 1:
+                continue
+            layouts: list = [None] * len(ranks)
+            dist.all_gather_object(layouts, mine, group=group)
+        raise _faults.CollectiveMismatch(
+            f"{where}: the ranks of {_faults.describe_group(group.group_name, ranks)} "
+            f"differentiate different parameters, so their gradients cannot be averaged: "
+            f"{_differ(ranks, layouts)}. Every rank must pass the same parameter tree (the "
+            "same keys, shapes and dtypes): build the model the same way on every rank."
+        )
 
 
 @dataclasses.dataclass
@@ -128,6 +171,7 @@ class Reducer:
     ):
         self._groups = [GroupRef(g) for g in groups]  # by name: never keeps a group alive
         self.divisor, self.overlap = divisor, overlap
+        check_layout(like, groups, "pardist.grad")
         self._build(like, comm_dtype, bucket_bytes, first_bucket_bytes)
         self.arena = self.staging = None
         if groups:
@@ -171,8 +215,12 @@ class Reducer:
         largest = max(b.numel * (b.comm_dtype or b.dtype).itemsize for b in cpu)
         self.staging = SharedMemoryGroup.create(group, largest)
 
-    def begin(self, micro_batches: int = 1) -> None:
-        """Start one gradient computation of ``micro_batches`` backward passes."""
+    def begin(self, micro_batches: int = 1, divisor: float | None = None) -> None:
+        """Start one gradient computation of ``micro_batches`` backward passes.
+
+        ``divisor`` replaces the number of ranks for this rank's contributions (a
+        row-weighted mean divides by total rows / this rank's rows).
+        """
         for bucket in self.buckets:
             bucket.buffer = None  # our own views must not count as a caller's
         # Gradients handed out last time are views of the buckets: a caller who
@@ -199,7 +247,7 @@ class Reducer:
             bucket.work = None
         self._written = [False] * len(self.slots)
         self._next = 0
-        self._scale = self.divisor * micro_batches
+        self._scale = (self.divisor if divisor is None else divisor) * micro_batches
         self._last = micro_batches == 1
 
     def _may_reuse_arena(self) -> bool:
@@ -207,7 +255,7 @@ class Reducer:
         common = any(b.common_offset is not None for b in self.buckets)
         changed = common and self.arena._data._version != self._version
         idle = _references(self.arena._data) <= self._idle_references
-        codes = self.arena.exchange(2 * changed + idle)
+        codes = self.arena.exchange(2 * changed + idle, ("pardist.grad (starting a step)",))
         culprits = [k for k, code in enumerate(codes) if code & 2]
         if culprits:
             self._version = self.arena._data._version  # reported once, on every rank
@@ -229,13 +277,17 @@ class Reducer:
         flat = self.buckets[slot.bucket].buffer
         return flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
-    def add(self, i: int, grad: torch.Tensor) -> None:
-        """Contribute the local gradient of tensor ``i`` (called from the backward)."""
+    def add(self, i: int, grad: torch.Tensor, divisor: float | None = None) -> None:
+        """Contribute the local gradient of tensor ``i`` (called from the backward).
+
+        ``divisor`` (1 for values that must arrive exact) replaces the usual one.
+        """
         view = self._view(i)
+        scale = self._scale if divisor is None else divisor
         if self._written[i]:
-            view.add_(grad.reshape(view.shape), alpha=1.0 / self._scale)
+            view.add_(grad.reshape(view.shape), alpha=1.0 / scale)
         else:
-            torch.div(grad.reshape(view.shape), self._scale, out=view)
+            torch.div(grad.reshape(view.shape), scale, out=view)
             self._written[i] = True
         if self._last:
             bucket = self.buckets[self.slots[i].bucket]
@@ -266,7 +318,7 @@ class Reducer:
             bucket.comm.copy_(data)
             data = bucket.comm
         if self.staging is not None and data.device.type == "cpu":
-            self.staging.all_reduce(data)
+            self.staging.all_reduce(data, name="pardist.grad's gradient bucket")
         else:
             bucket.work = dist.all_reduce(data, group=self.groups[0], async_op=True)
 
@@ -283,13 +335,15 @@ class Reducer:
         copied = [b for b in self.buckets if b.shared and b.common_offset is None]
         if self.arena is not None and self._groups and copied:
             self.arena.barrier()  # every rank has copied out before regions are rewritten
-        outer = self.groups[1:]  # outer axes, reduced after the inner one
+        groups = self.groups  # outer axes are reduced after the inner one
         for bucket in self.buckets:
             data = bucket.buffer if bucket.comm is None else bucket.comm
             if bucket.work is not None:
-                bucket.work.wait()
-            for group in outer:
-                dist.all_reduce(data, group=group)
+                with _faults.collective_errors("pardist.grad's gradient reduction", groups[0]):
+                    bucket.work.wait()
+            for group in groups[1:]:
+                with _faults.collective_errors("pardist.grad's gradient reduction", group):
+                    dist.all_reduce(data, group=group)
             if bucket.comm is not None:
                 bucket.buffer.copy_(bucket.comm)
         if self.arena is not None:

@@ -4,7 +4,10 @@ Diverging replicas are the silent failure of data parallelism: a step that used
 ``torch.func.grad`` and forgot the gradient mean, parameters initialised with
 different seeds, a per-rank loss returned as if it were global. The check costs
 one small gather of a fingerprint per tensor, so it runs on a step's first call
-and on every call under ``PARDIST_DEBUG=1``.
+and on every call under ``PARDIST_DEBUG=1``. Before it, the ranks compare the
+layout they pass (specs, and the block shapes of tensors split over non-data
+axes), so that ranks calling with different specs fail at once, not in a
+collective that never completes.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-__all__ = ["fingerprint", "mismatch"]
+__all__ = ["fingerprint", "layout_mismatch", "mismatch", "replicated_groups"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -45,6 +49,25 @@ def _show(description: Any) -> str:
     return repr(rest[0])
 
 
+def _listed(paths: list[str]) -> str:
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return f"{shown} {'is' if len(paths) == 1 else 'are'}"
+
+
+def _structure(first: list, theirs: list, r0: int, r: int) -> str | None:
+    """How two ranks' leaf paths differ (keys one rank has and the other lacks), or None."""
+    a, b = [path for path, _ in first], [path for path, _ in theirs]
+    if a == b:
+        return None
+    only_a = [p for p in a if p not in set(b)]
+    only_b = [p for p in b if p not in set(a)]
+    parts = [f"{_listed(only)} only on rank {k}" for only, k in ((only_b, r), (only_a, r0)) if only]
+    detail = "; ".join(parts) or "the same leaves come in a different order"
+    if len(a) != len(b):
+        return f"the tree has {len(a)} leaves on rank {r0} but {len(b)} on rank {r}: {detail}"
+    return f"the trees differ between rank {r0} and rank {r}: {detail}"
+
+
 def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | None:
     """Compare ``[(path, leaf)]`` across ``group``; describe the first difference, or None.
 
@@ -57,11 +80,9 @@ def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | No
     gathered: list[Any] = [None] * len(ranks)
     dist.all_gather_object(gathered, mine, group=group)
     for r, theirs in zip(ranks[1:], gathered[1:]):
-        if len(theirs) != len(gathered[0]):
-            return (
-                f"the tree has {len(gathered[0])} leaves on rank {ranks[0]} but "
-                f"{len(theirs)} on rank {r}"
-            )
+        structure = _structure(gathered[0], theirs, ranks[0], r)
+        if structure:
+            return structure
         for (path, a), (_, b) in zip(gathered[0], theirs):
             if a != b:
                 return f"{path} is {_show(a)} on rank {ranks[0]} but {_show(b)} on rank {r}"
@@ -78,3 +99,53 @@ def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | No
         if len(differs):
             return f"{paths[int(differs[0])]} differs between rank {ranks[0]} and rank {r}"
     return None
+
+
+def layout_mismatch(named: list, specs: list, mesh, axes) -> str | None:
+    """Compare specs and non-data block shapes across every rank of the mesh."""
+    if mesh.size(mesh.axis_names) == 1:
+        return None
+    data = set(axes)
+
+    def block(leaf: Any, spec) -> tuple | None:
+        if not isinstance(leaf, torch.Tensor) or not set(spec.axes) - data:
+            return None  # replicated shapes are compared with their values; batches may differ
+        shape = list(leaf.shape)
+        for d, entry in enumerate(spec):
+            names = entry if isinstance(entry, tuple) else (entry,)
+            if entry is not None and data & set(names):
+                shape[d] = None
+        return tuple(shape)
+
+    mine = [(path, repr(s), block(leaf, s)) for (path, leaf), s in zip(named, specs)]
+    group = mesh.group(mesh.axis_names)
+    ranks = dist.get_process_group_ranks(group)
+    everyone: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(everyone, mine, group=group)
+    first = everyone[0]
+    for r, theirs in zip(ranks[1:], everyone[1:]):
+        structure = _structure([e[:2] for e in first], [e[:2] for e in theirs], ranks[0], r)
+        if structure:
+            return structure
+        for (path, spec0, block0), (_, spec1, block1) in zip(first, theirs):
+            if (spec0, block0) != (spec1, block1):
+                shape = lambda b: "" if b is None else f" with block shape {b}"  # noqa: E731
+                return (
+                    f"{path} has in_spec {spec0}{shape(block0)} on rank {ranks[0]} but "
+                    f"{spec1}{shape(block1)} on rank {r}"
+                )
+    return None
+
+
+def replicated_groups(named: list, specs: list, mesh) -> list:
+    """``[(axes, [(path, leaf)])]``: the leaves replicated over exactly those axes.
+
+    DTensors (sharded state) carry their own layout and are left out.
+    """
+    live = [a for a, n in mesh.shape.items() if n > 1]
+    groups: dict[tuple[str, ...], list] = {}
+    for (path, leaf), spec in zip(named, specs):
+        over = tuple(a for a in live if a not in spec.axes)
+        if over and not isinstance(leaf, DTensor):
+            groups.setdefault(over, []).append((path, leaf))
+    return sorted(groups.items())

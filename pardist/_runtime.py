@@ -10,11 +10,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from pardist import _faults
+from pardist._faults import DEFAULT_TIMEOUT_S
 
 __all__ = [
     "device",
@@ -30,14 +34,10 @@ __all__ = [
     "world_size",
 ]
 
-# Collectives that never complete (a rank that crashed or skipped one) must turn
-# into errors, not hangs. torch's default is 30 minutes; ten is long enough for a
-# slow first CUDA step and short enough that a broken job is noticed.
-DEFAULT_TIMEOUT_S = 600.0
-
 _owns_group = False
 _shutdown_hooks: list[Callable[[], None]] = []
 _atexit_registered = False
+_debug_level_before = None  # torch's debug level before PARDIST_DEBUG=1 raised it
 
 
 class GroupRef:
@@ -166,7 +166,7 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
         {'gpu': 1}
         >>> pardist.shutdown()
     """
-    global _owns_group
+    global _owns_group, _debug_level_before
     from pardist import _mesh  # the mesh layer sits above this one
 
     if not is_initialized():
@@ -181,6 +181,13 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
             getattr(torch, dev.type).set_device(dev)
         chosen = backend or _default_backend(dev)
         kwargs = dict(backend=chosen, timeout=_timeout(timeout))
+        if _debug() and dist.get_debug_level() == dist.DebugLevel.OFF:
+            # torch's own check that every rank's collective has the same shapes
+            # (shared memory checks always): gloo would abort, NCCL could hang.
+            _debug_level_before = dist.get_debug_level()
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
+        _faults.set_timeout(kwargs["timeout"].total_seconds())
+        _faults.record_uncaught()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             store = _attempt_store(kwargs["timeout"])
             if store is not None:
@@ -198,6 +205,10 @@ def init(backend: str | None = None, *, timeout: float | datetime.timedelta | No
             atexit.register(shutdown)
             _atexit_registered = True
     return _mesh.default_mesh()
+
+
+def _debug() -> bool:
+    return os.environ.get("PARDIST_DEBUG", "") not in ("", "0")
 
 
 def _attempt_store(timeout: datetime.timedelta):
@@ -223,15 +234,41 @@ def _attempt_store(timeout: datetime.timedelta):
 
 def shutdown() -> None:
     """Tear down the process group started by :func:`init` (a no-op otherwise)."""
-    global _owns_group
+    global _owns_group, _debug_level_before
     from pardist import _mesh
 
     _mesh.forget_default_mesh()
     for hook in _shutdown_hooks:
         hook()
+    _faults.forget_labels()
     if _owns_group and is_initialized():
         dist.destroy_process_group()
-    _owns_group = False
+        if _debug_level_before is not None:
+            dist.set_debug_level(_debug_level_before)
+        if _backend_threads():
+            # Garbage still holds the group: a torch DDP model sits in a reference cycle
+            # until the collector runs, and its reducer keeps the group (and its threads)
+            # alive. Left to the collection at interpreter exit, its threads are joined
+            # while the interpreter is half gone: the process hangs or aborts.
+            gc.collect()
+    _owns_group, _debug_level_before = False, None
+
+
+def _backend_threads() -> int:
+    """This process's gloo / NCCL threads (all threads, where /proc cannot tell them apart)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read()
+        except OSError:
+            continue
+        count += "gloo" in name or "nccl" in name
+    return count
 
 
 @contextlib.contextmanager

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pardist import _segments
+
 __all__ = ["SpawnError", "Workers", "spawn"]
 
 try:  # closures and notebook functions pickle by value with cloudpickle
@@ -147,6 +149,7 @@ def _stop(procs: list, conns: list, wait: float = 3.0) -> None:
             proc.kill()
     for proc in procs:
         proc.join(5)
+    _segments.clean_stale()  # left by a worker killed while setting one up
 
 
 class Workers:

@@ -15,7 +15,15 @@ import torch
 from pardist import _tree
 from pardist._mesh import Mesh
 
-__all__ = ["P", "check_fits", "flat_specs", "spec_axes", "specs"]
+__all__ = [
+    "P",
+    "check_fits",
+    "flat_specs",
+    "local_block",
+    "spec_axes",
+    "specs",
+    "state_specs",
+]
 
 
 class P(tuple):
@@ -144,3 +152,82 @@ def specs(tree: Any) -> Any:
         return P(*entries)
 
     return _tree.tree_map(spec, tree)
+
+
+def local_block(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
+    """This rank's block of every leaf of a global ``tree``, as ``specs`` split it.
+
+    The inputs :func:`pardist.shard_map` expects, cut from values every rank
+    holds whole (a model built from the same seed): ``P(None, 'model')`` keeps
+    this rank's columns, in axis order. Blocks are exact: a dim split over axes
+    of total size n must be a multiple of n. No communication. Each block is
+    copied into memory of its own (contiguous), so the full tensors can be
+    freed; replicated leaves come back as they are.
+
+    Args:
+        tree: the global values (any pytree; non-tensor leaves need ``P()``).
+        specs: a spec tree, a prefix of ``tree``.
+        mesh: default: the innermost ``with mesh:``, else ``init``'s.
+
+    Example:
+        >>> import pardist, torch
+        >>> from pardist import P
+        >>> _ = pardist.init()
+        >>> pardist.local_block({'w': torch.arange(6.).reshape(2, 3)}, {'w': P(None, 'gpu')})
+        {'w': tensor([[0., 1., 2.],
+                [3., 4., 5.]])}
+        >>> pardist.shutdown()
+    """
+    from pardist._mesh import current_mesh
+
+    where = "pardist.local_block"
+    mesh = mesh or current_mesh("local_block")
+    flat = flat_specs(specs, tree, where=where, specs_name="specs", tree_name="tree")
+    named = _tree.leaves_with_paths(tree, "tree")
+    out = []
+    for (path, leaf), spec in zip(named, flat):
+        check_fits(spec, leaf, path, mesh, where=where, spec_path=f"the spec of {path}")
+        for dim, entry in enumerate(spec):
+            if entry is None:
+                continue
+            size, index = mesh.size(entry, "local_block"), mesh.index(entry, "local_block")
+            if leaf.shape[dim] % size:
+                raise ValueError(
+                    f"{where}: {path} has shape {tuple(leaf.shape)}, and its spec {spec!r} "
+                    f"splits dim {dim} (size {leaf.shape[dim]}) over {entry!r} of size {size}, "
+                    f"which does not divide {leaf.shape[dim]}: blocks must be exact. Pad dim "
+                    f"{dim} to a multiple of {size}, or split another dim."
+                )
+            block = leaf.shape[dim] // size
+            leaf = leaf.narrow(dim, index * block, block)
+        out.append(leaf.clone(memory_format=torch.contiguous_format) if spec.axes else leaf)
+    return _tree.tree_unflatten(out, _tree.tree_flatten(tree)[1])
+
+
+def state_specs(state: Any, params: Any, param_specs: Any) -> Any:
+    """The spec tree of an optimizer ``state``: ``param_specs`` where it is shaped like ``params``.
+
+    Optimizer states hold trees like the parameters (momentum, Adam's moments)
+    beside scalars (the step count); the former split as the parameters do, the
+    latter are replicated (``P()``). optax's ``tree_map_params``, for specs.
+
+    Example:
+        >>> import pardist, torch
+        >>> from pardist import P
+        >>> params = {'w': torch.zeros(4, 2), 'b': torch.zeros(2)}
+        >>> state = pardist.optim.sgd(0.1, momentum=0.9).init(params)
+        >>> pardist.state_specs(state, params, {'w': P(None, 'model'), 'b': P()})
+        SGDState(count=P(), momentum_buffer={'w': P(None, 'model'), 'b': P()})
+    """
+    target = _tree.tree_flatten(params)[1]
+    if target.is_leaf():
+        shape = params.shape  # a single tensor: its moments have its shape
+
+        def like(x: Any) -> bool:
+            return isinstance(x, torch.Tensor) and x.shape == shape
+    else:
+
+        def like(x: Any) -> bool:
+            return not isinstance(x, torch.Tensor) and _tree.tree_flatten(x)[1] == target
+
+    return _tree.tree_map(lambda x: param_specs if like(x) else P(), state, is_leaf=like)

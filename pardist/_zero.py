@@ -18,7 +18,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pardist._reducer import Reducer, _Bucket, _references, assign
+from pardist._reducer import Reducer, _Bucket, _references, assign, check_layout
 from pardist._runtime import GroupRef
 from pardist._shm import ALIGN, SharedMemoryGroup
 
@@ -164,6 +164,8 @@ class ParamGather:
         first_bucket_bytes: int = 2**20,
     ):
         self._group, self.size, self.index = GroupRef(group), size, index
+        if size > 1:
+            check_layout(like, [group], "pardist.optim.sharded")
         self.buckets, self.columns = _layout(like, size, bucket_bytes, first_bucket_bytes)
         self.arena = None
         if size > 1 and all(b.device.type == "cpu" for b in self.buckets):
@@ -193,7 +195,7 @@ class ParamGather:
         """All-gather the updated rows; write full parameters (into ``params`` if in place)."""
         sources = []
         if self.arena is not None:
-            self.arena.barrier()  # every rank's row is written
+            self.arena.barrier(("pardist.optim.sharded (gathering parameters)",))  # rows written
             for b in self.buckets:
                 sources.append(self.arena.diagonal(b.arena_offset, b.row, b.dtype))
         else:

@@ -93,6 +93,9 @@ def dynamic_loss_scale(
         return LossScaleState(torch.tensor(float(init_scale)), torch.zeros((), dtype=torch.int64))
 
     def scale_fn(loss, state: LossScaleState):
+        ctx = current_step()
+        if ctx is not None:
+            ctx.loss_scaled = True  # non-finite steps are expected and skipped, not reported
         return _tree.tree_map(lambda x: x * state.scale.to(x.device), loss)
 
     def unscale_fn(grads, state: LossScaleState) -> tuple[Any, bool]:
@@ -104,8 +107,9 @@ def dynamic_loss_scale(
         norms = torch._foreach_norm(unscaled)  # inf or nan wherever an element is
         bad = (~torch.stack([n.to(leaves[0].device) for n in norms]).isfinite()).any().float()
         ctx = current_step()
-        if ctx is not None and ctx.size > 1:
-            bad = _collectives.pmax(bad, ctx.axis)  # the same verdict on every rank
+        if ctx is not None and ctx.mesh.size(ctx.mesh.axis_names) > 1:
+            # The same verdict on every rank: model axes too, whose gradients differ.
+            bad = _collectives.pmax(bad, ctx.mesh.axis_names)
         return _tree.tree_unflatten(unscaled, treedef), not bool(bad)
 
     def adjust_fn(state: LossScaleState, finite: bool) -> LossScaleState:

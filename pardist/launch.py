@@ -19,9 +19,17 @@ agent. What pardist adds, and why:
   own switch ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which gives each restart a
   fresh store.
 * A port given by hand is checked first. A rendezvous endpoint held by another
-  program makes torch's client wait forever; pardist says so in seconds.
+  program, or by another job's store (a one-machine job always hosts its own),
+  makes torch's client wait forever; pardist says so in seconds.
 * The join is bounded (``--join-timeout``, torch's ``join_timeout``): when a node
-  fails, the nodes left wait that long for it, then every worker exits.
+  fails, the nodes left wait that long for it, then every worker exits; a node
+  whose workers never start (its rendezvous is another job's) stops too.
+* A failure names the rank that caused it, in one line: the rank that raised
+  (its traceback is above, or in its log file), that exited with a code of its
+  own, that was killed by a signal, or that stopped responding while the others
+  timed out waiting for it, instead of torchrun's table of every rank's exit; a
+  script's own clean error (``sys.exit(2)``) is passed on as the launcher's exit code.
+* Shared-memory segments of workers that were killed are removed when the job ends.
 * The first node is found by address: the node that owns the rendezvous address
   hosts the store (torch's ``is_host``), which torch's hostname guess gets wrong
   inside containers and network namespaces.
@@ -171,7 +179,10 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
             args.rdzv_conf = _add_conf(args.rdzv_conf, "join_timeout", args.join_timeout)
         host, port = _split_endpoint(args.rdzv_endpoint, 29400)
         if port != 0:
-            must_host = conf.get("is_host", "").lower() in ("1", "true", "yes", "y")
+            # One machine hosts its own store: one already there belongs to another job.
+            must_host = conf.get("is_host", "").lower() in ("1", "true", "yes", "y") or (
+                max_nodes == 1 and _ports.is_local_address(host)
+            )
             owner = "free"
             if check_ports:
                 owner = _ports.check_endpoint(
@@ -223,20 +234,39 @@ def _stop_node() -> None:
     os._exit(1)
 
 
+JOIN_GRACE_S = 15.0  # past --join-timeout, before a node whose workers never started stops
+
+
 def _watch(host: str, port: int, patience: float, interval: float = 2.0) -> None:
     """Stop this node if the rendezvous endpoint stays unreachable for ``patience`` s.
 
     torch's agent talks to the store on the first node with a client that can
     block for many minutes once that node is gone (no timeout applies to a
     connection whose peer vanished), so a lost first node would leave the other
-    nodes' agents waiting indefinitely. This daemon thread bounds that wait.
+    nodes' agents waiting indefinitely. Nor does torch bound the wait of a node
+    that joined a rendezvous another job has closed (a reused endpoint): if no
+    worker has started ``patience`` s (plus a grace) after launch, this node stops
+    too. This daemon thread bounds both waits.
     """
     from pardist import _ports
 
+    start = time.monotonic()
+
     def watch() -> None:
-        lost_since = None
+        lost_since, started = None, False
         while True:
             time.sleep(interval)
+            started = started or bool(_children())
+            if not started and time.monotonic() - start > patience + JOIN_GRACE_S:
+                print(
+                    f"{WHERE}: no worker started within --join-timeout={patience:.0f} s: this "
+                    f"node could not join the rendezvous at {host}:{port}. If another job "
+                    "holds that endpoint, give this job another port (the same on every "
+                    "node), or use --standalone on one machine. Stopping this node.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop_node()
             if _ports.listening(host, port, timeout=interval):
                 lost_since = None
             elif lost_since is None:
@@ -255,17 +285,9 @@ def _watch(host: str, port: int, patience: float, interval: float = 2.0) -> None
 
 
 def _explain(exc: BaseException, join_timeout: int) -> str:
-    """One line saying which rank failed, for the end of torchrun's report."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    """The end of a failed job's report, after torchrun's own (for errors that are not a rank's)."""
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 
-    if isinstance(exc, ChildFailedError):
-        rank, failure = exc.get_first_failure()
-        return (
-            f"{WHERE}: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-            f"failed first with exit code {failure.exitcode}; the other ranks were stopped. "
-            "Its traceback is above."
-        )
     if isinstance(exc, RendezvousTimeoutError):
         return (
             f"{WHERE}: the job failed: not every node joined within --join-timeout="
@@ -290,11 +312,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = _split_endpoint(args.rdzv_endpoint, 29400)
     if args.rdzv_backend == "c10d" and port != 0 and sys.platform == "linux":
         _watch(host, port, patience=args.join_timeout)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from pardist import _failures, _segments
+
     try:
         run(args)
+    except ChildFailedError as exc:  # a rank failed: say which, and why, in one line
+        line, code = _failures.explain(exc, WHERE)
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
     except Exception as exc:  # noqa: BLE001 - report, then fail like torchrun
         print(f"{exc}\n{_explain(exc, args.join_timeout)}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        _segments.clean_stale()  # left by workers killed while setting one up
 
 
 if __name__ == "__main__":

@@ -191,3 +191,29 @@ def test_collectives_before_init():
         r"Call pardist.init\(\) first",
     ):
         pardist.psum(torch.ones(1), "gpu")
+
+
+def _scatter_and_exchange():
+    r = pardist.rank()
+    x = torch.arange(4.0) * (r + 1)
+    scattered = pardist.psum_scatter(x, "gpu")
+    w = torch.full((2,), float(r + 1))
+    g = torch.func.grad(lambda x: (pardist.psum_scatter(x, "gpu") * w).sum())(x)
+    z = torch.arange(4.0).view(2, 2) + 10 * r
+    exchanged = pardist.all_to_all(z, "gpu", split_dim=0, concat_dim=1)
+    back = pardist.all_to_all(exchanged, "gpu", split_dim=1, concat_dim=0)
+    gz = torch.func.grad(lambda z: (pardist.all_to_all(z, "gpu", 0, 1) * (r + 1)).sum())(z)
+    return scattered, g, exchanged, back, z, gz
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_psum_scatter_and_all_to_all(run, shm):
+    # Through shared memory and through gloo's reduce_scatter / all_to_all.
+    got = run(2, _scatter_and_exchange, env={"PARDIST_SHM": shm} if shm == "0" else None)
+    for r, (scattered, g, exchanged, back, z, gz) in enumerate(got):
+        assert scattered.tolist() == (torch.arange(4.0) * 3)[2 * r : 2 * r + 2].tolist()
+        assert g.tolist() == [1.0, 1.0, 2.0, 2.0]  # its transpose all-gathers the cotangents
+        # row r of every rank's z, side by side in rank order; and back again
+        assert exchanged.tolist() == [[2.0 * r, 2.0 * r + 1, 2.0 * r + 10, 2.0 * r + 11]]
+        assert torch.equal(back, z)
+        assert gz.tolist() == [[1.0, 1.0], [2.0, 2.0]]  # row k went to rank k

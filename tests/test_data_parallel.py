@@ -292,3 +292,33 @@ def test_overlapped_reduction_gives_the_same_numbers(run):
     off = run(2, helpers.train_pardist, "convnet", "adamw", overlap=False, env=env)
     for k in on[0][0]:
         assert torch.equal(on[0][0][k], off[0][0][k])
+
+
+def _batch_in_the_middle(state):
+    opt = pardist.optim.sgd(0.1)
+
+    @pardist.data_parallel()
+    def step(params, batch, opt_state):
+        grads = pardist.grad(lambda p, b: (b @ p["w"]).square().mean())(params, batch)
+        return opt.update(grads, opt_state, params)
+
+    params = {"w": torch.ones(3)}
+    batch = torch.randn(4, 3, generator=torch.Generator().manual_seed(pardist.rank()))
+    try:
+        step(params, batch, opt.init(params) if state == "optimizer" else {"m": torch.zeros(3)})
+    except (TypeError, ValueError) as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("state", ["optimizer", "tensor"])
+def test_the_batch_in_another_position_is_explained(run, state):
+    # sgd's state holds a 0-d count, which P('gpu') cannot split; a state of vectors can
+    # be split, and the batch, taken as replicated, then differs between the ranks.
+    first = "args[2].count" if state == "optimizer" else "args[1] differs between rank 0 and"
+    for msg in run(2, _batch_in_the_middle, state):
+        assert first in msg
+        assert (
+            "No in_specs were given, so the last positional argument, args[2] ('opt_state'), "
+            "is taken to be the batch (split along dim 0 over 'gpu')"
+        ) in msg
+        assert "in_specs=(P(), P('gpu'), P()) for args[1] ('batch')" in msg

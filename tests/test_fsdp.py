@@ -115,11 +115,9 @@ def train(
     @pardist.data_parallel(axis=axis, mesh=mesh, donate_argnums=(0, 2) if donate else ())
     def step(p, b, s, data):
         grad_fn = pardist.value_and_grad(
-            loss_fn, has_aux=True, accumulate=accumulate, batch_argnums=(2, 3)
+            loss_fn, has_aux=True, accumulate=accumulate, batch_argnums=(2, 3), carry=1
         )
-        (loss, b), g = grad_fn(p, b, *data)
-        if accumulate > 1:  # aux comes back stacked: keep the last micro-batch's statistics
-            b = {k: v[-1] for k, v in b.items()}
+        (loss, b), g = grad_fn(p, b, *data)  # carry=1: the buffers go micro-batch to micro-batch
         kinds = {type(x).__name__ for x in g.values()}
         p, s = opt.update(g, s, p)
         return p, b, s, loss, kinds
@@ -361,7 +359,7 @@ def test_optim_sharded_over_the_same_axis_takes_the_shards(run):
 
 
 def _save(path):
-    *_, (params, buffers, state) = train("adamw", True, steps=2)
+    params, buffers, state = train("adamw", True, steps=2)[5]
     pardist.checkpoint.save(path, {"params": params, "buffers": buffers, "state": state})
 
 
@@ -482,6 +480,37 @@ def test_errors_name_the_parameter_its_shape_the_axis_and_the_fix(world1):
         pardist.data_parallel(lambda p, b, d: apply(p, b, d[0]), axis="b", mesh=mesh)(
             other, buffers, (ids, y)
         )
+
+
+def _unsupported() -> list[str]:
+    apply, params, buffers = pardist.functional(Net())
+    ids, y = batch(0, pardist.rank(), 2)
+    messages = []
+
+    def loss_fn(p, b, ids, y):
+        return F.cross_entropy(apply(p, b, ids)[0], y)
+
+    try:  # a row-weighted mean: the reduce-scatter would weigh every rank alike
+        pardist.data_parallel(lambda p, b, d: pardist.grad(loss_fn, mean="rows")(p, b, *d))(
+            pardist.fsdp(params), buffers, (ids, y)
+        )
+    except ValueError as e:
+        messages.append(str(e))
+    mesh = pardist.Mesh({"data": 1, "model": 2})
+    try:  # a model axis beyond the step's: the gathers are not typed for it
+        pardist.data_parallel(
+            lambda p, b, d: pardist.grad(loss_fn)(p, b, *d), axis="data", mesh=mesh
+        )(pardist.fsdp(params, "data", mesh=mesh), buffers, batch(0))  # the same on both
+    except RuntimeError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_unsupported_combinations_raise_instead_of_a_wrong_number(run):
+    for messages in run(2, _unsupported):
+        assert len(messages) == 2, messages
+        assert "mean='rows' is not supported with pardist.fsdp parameters" in messages[0]
+        assert "model axes ['model'] are not supported yet" in messages[1]
 
 
 def test_optimizer_errors_for_mixed_shards_and_full_tensors(world1):

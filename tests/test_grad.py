@@ -152,9 +152,11 @@ def test_compressed_communication_is_close_to_full_precision(run, compression):
 def test_errors():
     params, x, y = data()
     with pytest.raises(
-        ValueError, match=r"f must return a floating-point scalar tensor.*shape \(24, 4\)"
+        ValueError, match=r"f must return a floating-point scalar tensor.*shape \(12, 4\)"
     ):
-        pardist.value_and_grad(lambda p: loss(p, x, y)[1], accumulate=2)(params)
+        pardist.value_and_grad(
+            lambda p, x, y: loss(p, x, y)[1], accumulate=2, batch_argnums=(1, 2)
+        )(params, x, y)
     with pytest.raises(TypeError, match=r"args\[0\] has dtype torch.int64"):
         pardist.grad(lambda n, x: x.sum(), accumulate=2, batch_argnums=1)(
             torch.ones(2, dtype=torch.long), x

@@ -109,5 +109,5 @@ def test_a_torch_store_on_the_port_is_joined_not_refused():
         )
         == "store"
     )
-    with pytest.raises(RuntimeError, match="another job holds it"):
+    with pytest.raises(RuntimeError, match="the torch rendezvous store of another job"):
         check_endpoint("127.0.0.1", store.port, must_host=True, where="t", option="--rdzv-endpoint")

@@ -61,7 +61,7 @@ def _exchanges(rounds):
     shm = SharedMemoryGroup.create(dist.group.WORLD, 64)
     if shm.index == 1:  # slow to read what it was sent: the others hurry on to the next call
         barrier = shm.barrier
-        shm.barrier = lambda: (barrier(), time.sleep(0.01))
+        shm.barrier = lambda *what: (barrier(*what), time.sleep(0.01))
     return [shm.exchange(10 * i + shm.index) for i in range(rounds)]
 
 
@@ -142,7 +142,8 @@ def _skip_on_rank_1():
 def test_a_rank_that_skips_times_out_with_a_clear_error(run):
     out = run(2, _skip_on_rank_1, env={"PARDIST_TIMEOUT": "3"})
     assert out[1] == "skipped"
-    assert "shared-memory all-reduce waited 3 s for group rank(s) [1]" in out[0]
+    assert "pardist.grad (starting a step) over axis 'gpu' (shared memory) waited 3 s" in out[0]
+    assert "Rank(s) [1] never arrived" in out[0] and "PARDIST_TIMEOUT" in out[0]
 
 
 def _change_in_place_on_rank_1():

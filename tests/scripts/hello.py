@@ -1,7 +1,12 @@
-"""Prints what a launched worker sees: its rank, the world, its arguments, its environment."""
+"""Prints what a launched worker sees: its rank, the world, its arguments, its environment.
+
+With ``PARDIST_TEST_SLEEP=s`` in the environment it then stays up ``s`` seconds (a job
+that holds its port).
+"""
 
 import os
 import sys
+import time
 
 import pardist
 
@@ -13,6 +18,7 @@ def main() -> None:
     print(
         f"rank {pardist.rank()} of {pardist.world_size()} args {sys.argv[1:]} env {env}", flush=True
     )
+    time.sleep(float(os.environ.get("PARDIST_TEST_SLEEP", "0")))
     pardist.shutdown()
 
 

@@ -1,14 +1,18 @@
 """After pardist.shutdown() no gloo thread may be left, whatever the script still holds.
 
 A gloo group that outlives shutdown is torn down during interpreter exit, where its
-worker threads can abort the process. This script keeps a step (with its gradient
-buckets), a mesh and a checkpoint's imports alive across shutdown, then counts threads.
+worker threads can abort the process or hang it. This script keeps a step (with its
+gradient buckets), a mesh and a checkpoint's imports alive across shutdown, and
+leaves a torch DDP model in a reference cycle (its reducer holds the group) that
+the garbage collector has not reached yet; then it counts threads.
 """
 
+import gc
 import os
 import tempfile
 
 import torch
+from torch import nn
 
 import pardist
 
@@ -19,6 +23,10 @@ def main() -> None:
     grads = step(torch.ones(3), torch.ones(2, 3))
     held = [step, grads, pardist.psum(torch.ones(1), "gpu"), pardist.Mesh({"gpu": -1})]
     pardist.checkpoint.save(tempfile.mkdtemp(), {"w": grads}, step=1)
+    gc.disable()  # the collector may run at any time; here it has not run yet
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+    ddp(torch.ones(2, 3)).sum().backward()
+    del ddp  # garbage, but in a cycle: only the collector frees it (and its group)
     pardist.shutdown()  # while everything above is still held
     threads = [
         open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")

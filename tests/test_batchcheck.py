@@ -1,0 +1,99 @@
+"""Every rank fed the same batch: a warning on the first call (an error under PARDIST_DEBUG=1).
+
+And the cases where equal batches are no evidence of a mistake, which must stay quiet.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import helpers
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import pardist
+from pardist import P
+
+
+def _first_call(make_batch, in_specs=None, calls: int = 1):
+    """Warnings (messages) and errors (messages) from ``calls`` calls of a training step."""
+    apply, params, _ = pardist.functional(helpers.mlp())
+
+    def train_step(params, opt_state, batch):
+        grads = pardist.grad(lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0], y))(params, *batch)
+        return grads, opt_state
+
+    step = pardist.data_parallel(train_step, in_specs=in_specs)
+    warned, raised = [], []
+    for i in range(calls):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                step(params, {}, make_batch(i))
+            except ValueError as e:
+                raised.append(str(e))
+        warned += [str(w.message) for w in caught if w.category is pardist.DuplicateBatchWarning]
+    return warned, raised
+
+
+def _plain_loader(i):
+    """A plain shuffled DataLoader, seeded alike on every rank (the mistake)."""
+    torch.manual_seed(0)
+    x, y = helpers.global_batch(0, "mlp", 64)
+    return next(iter(DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)))
+
+
+def _sharded_loader(i):
+    torch.manual_seed(0)
+    x, y = helpers.global_batch(0, "mlp", 64)
+    return next(iter(pardist.data.shard(DataLoader(TensorDataset(x, y), batch_size=8))))
+
+
+def test_every_rank_given_the_same_batch_warns_naming_the_argument_and_the_fix(run):
+    for warned, raised in run(2, _first_call, _plain_loader, None, 3):
+        assert not raised and len(warned) == 1, (warned, raised)  # on the first call only
+        message = warned[0]
+        assert "every rank received the same batch: args[2] ('batch')" in message
+        assert "identical on all 2 ranks" in message
+        assert "pardist.data.shard(loader)" in message and "in_specs=(P(), P(), P())" in message
+    for warned, raised in run(2, _first_call, _plain_loader, None, 2, env={"PARDIST_DEBUG": "1"}):
+        assert not warned and len(raised) == 2  # every call checked, and an error
+        assert "every rank received the same batch: args[2] ('batch')" in raised[0]
+
+
+def _one_row(i):  # one sample per rank, equal by chance
+    return torch.ones(1, 8) * 0.5 + torch.arange(8.0), torch.tensor([2])
+
+
+def _constant(i):  # synthetic data
+    return torch.ones(4, 8), torch.zeros(4, dtype=torch.long)
+
+
+def _same_rows_other_order(i):
+    x, y = helpers.global_batch(0, "mlp", 8)
+    order = torch.arange(8).roll(pardist.rank())
+    return x[order], y[order]
+
+
+@pytest.mark.parametrize(
+    "make_batch, in_specs",
+    [
+        (_sharded_loader, None),  # the fix
+        (_one_row, None),
+        (_constant, None),
+        (_same_rows_other_order, None),
+        (_plain_loader, (P(), P(), P())),  # the same batch, meant: marked replicated
+    ],
+    ids=["sharded-loader", "one-row-each", "constant", "reordered", "marked-replicated"],
+)
+def test_no_report_where_equal_batches_prove_nothing(run, make_batch, in_specs):
+    env = {"PARDIST_DEBUG": "1"}  # the strict mode: an error would show
+    assert run(2, _first_call, make_batch, in_specs, 2, env=env) == [([], [])] * 2
+
+
+def test_no_report_at_world_size_one(world1):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pardist.DuplicateBatchWarning)
+        assert _first_call(_plain_loader) == ([], [])
