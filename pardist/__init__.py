@@ -20,6 +20,7 @@ from pardist._collectives import (
 )
 from pardist._data_parallel import data_parallel
 from pardist._exchange import all_to_all, psum_scatter
+from pardist._fsdp import fsdp
 from pardist._functional import functional
 from pardist._gather import gather, gather_object
 from pardist._grad import grad, value_and_grad
@@ -64,6 +65,7 @@ __all__ = [
     "data_parallel",
     "device",
     "distributed",
+    "fsdp",
     "functional",
     "gather",
     "gather_object",

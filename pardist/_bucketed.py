@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _microbatch, _perrank, _tree, _vma
+from pardist import _fsdp, _microbatch, _perrank, _tree, _vma
 from pardist._context import StepContext
 from pardist._layout import laid_out_like
 from pardist._reducer import Reducer
@@ -240,7 +240,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     # the gradient buckets instead of costing a collective of their own.
     late = reduce and not scatter and k == 1
     hand, pending = _HandOver(ctx, rep, divisor, call.rows == 0), []
-    if (reduce or k > 1) and not late:
+    if rep and (reduce or k > 1) and not late:  # nothing replicated: no buckets
         hand.use(scatter, reduce, [], k)
     local: list = [None] * len(leaves)
     parts: list = [[None] * k for _ in leaves]
@@ -248,7 +248,11 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     for j, margs, mleaves in call.micro_batches():
         if hand.reducer is not None and j == k - 1:
             hand.reducer.last_micro_batch()
-        inputs = [t.detach().requires_grad_() for n in call.nums for t in mleaves[n]]
+        diff = [t for n in call.nums for t in mleaves[n]]
+        if any(isinstance(t, DTensor) for t in diff):  # FSDP shards: usable only by apply
+            inputs = _fsdp.grad_inputs(diff, margs, call.nums, call.where)
+        else:
+            inputs = [t.detach().requires_grad_() for t in diff]
         _vma.enter_grad(inputs, leaves, replicated)
         for i, x in enumerate(inputs):
             if replicated[i] and (reduce or k > 1):

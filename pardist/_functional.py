@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pardist import _batchnorm, _collectives, _tree
+from pardist import _batchnorm, _collectives, _fsdp_apply, _fsdp_units, _tree
 from pardist._context import current_step
 
 __all__ = ["functional"]
@@ -82,7 +82,9 @@ class _Slots:
         return out
 
 
-def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, dict, dict]:
+def functional(
+    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto"
+) -> tuple[Callable, dict, dict]:
     """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
 
     Args:
@@ -96,6 +98,13 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
             statistics that ``apply`` returns are averaged over the axis by the
             end of the step (in the gradient all-reduce, when ``pardist.grad``
             runs), so that every replica keeps the same buffers.
+        fsdp_units: with :func:`pardist.fsdp` params, the modules whose parameters
+            are gathered together, just before the module runs: ``'auto'`` (about
+            eight units: transformer blocks, ResNet stages, MLP layers), module
+            paths (``['h.0', 'h.1']``), module classes (``{Block}``), a function
+            ``(path, module) -> bool``, or None (all gathered for the whole apply).
+            Parameters outside every unit, and tied ones, stay gathered for the
+            whole forward.
 
     Returns:
         ``(apply, params, buffers)``: detached copies of the parameters and
@@ -118,6 +127,8 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
     _batchnorm.prepare(skeleton, where)
     slots = _Slots(skeleton)
     mode = {"train": skeleton.training}
+    units = _fsdp_units.check_policy(fsdp_units)
+    fsdp = _fsdp_apply.Runner(skeleton, slots, units, f"{where}.apply")
 
     def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
         if mode["train"] != train:
@@ -126,7 +137,10 @@ def functional(module: nn.Module, *, sync_bn: bool = True) -> tuple[Callable, di
         new_buffers = {name: b.clone() for name, b in buffers.items()}
         # Batch statistics over the step's axis, for every batch norm (see _batchnorm).
         with _batchnorm.synchronised(skeleton if sync_bn else None, train and sync_bn, where):
-            out = slots.call(params, new_buffers, inputs, kwargs)
+            if _fsdp_apply.has_shards(params):  # pardist.fsdp: each unit gathered as it runs
+                out = fsdp.call(params, new_buffers, inputs, kwargs)
+            else:
+                out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
             stats = {k: v for k, v in new_buffers.items() if v.is_floating_point()}

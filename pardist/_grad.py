@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.func
+from torch.distributed.tensor import DTensor
 
 from pardist import _bucketed, _collectives, _microbatch, _perrank, _traced_grad, _tree, _vma
 from pardist._bucketed import Call
@@ -132,9 +133,20 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
                         "floating-point tensors can be differentiated."
                     )
     split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
+    # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
+    # reduce-scatters their gradients, so they take no part in the all-reduce.
     replicated = [
-        ctx is not None and id(t) not in ctx.varying and _vma.invariant_over_data(t) for t in leaves
+        ctx is not None
+        and id(t) not in ctx.varying
+        and _vma.invariant_over_data(t)
+        and not isinstance(t, DTensor)
+        for t in leaves
     ]
+    if weighted and any(isinstance(t, DTensor) for t in leaves):
+        raise ValueError(
+            f"{where}: mean='rows' is not supported with pardist.fsdp parameters yet (their "
+            "gradients are reduce-scattered as the mean over ranks); use mean='ranks'."
+        )
     if any(s and r for s, r in zip(split, replicated)):
         raise ValueError(
             f"{where}: batch_argnums names a differentiated input that is replicated over "

@@ -143,7 +143,7 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
 
 
 @pytest.mark.timeout(180)
-def test_two_nodes_train_digits_over_four_ranks_with_hierarchical_axes(nodes, tmp_path):
+def test_two_nodes_train_digits_over_four_ranks_with_hierarchical_axes_and_hsdp(nodes, tmp_path):
     env = {"PARDIST_TIMEOUT": "60"}
     argv = ["--join-timeout", 60, SCRIPTS / "multinode.py", "--epochs", "1"]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
@@ -153,6 +153,7 @@ def test_two_nodes_train_digits_over_four_ranks_with_hierarchical_axes(nodes, tm
     out = logs[0].read_text()
     assert codes == [0, 0], out[-3000:] + logs[1].read_text()[-3000:]
     assert "hierarchical ('node', 'gpu') == flat" in out
+    assert "HSDP (fsdp over 'gpu', data parallel over 'node') == flat" in out
     accuracy = re.search(r"held-out accuracy: ([0-9.]+) .*4 process", out)
     assert accuracy and float(accuracy.group(1)) > 0.5, out[-2000:]
     print(

@@ -16,6 +16,7 @@ from pardist.optim._base import (
     aligned,
     fused_ok,
     next_count,
+    on_shards,
     owned,
     schedule,
     schedule_value,
@@ -116,7 +117,7 @@ def adamw(
             unflat(vmax) if amsgrad else None,
         )
 
-    return Optimizer(init_fn, update_fn)
+    return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"))
 
 
 def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:

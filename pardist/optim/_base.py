@@ -13,12 +13,20 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pardist import _ops, _tree
-from pardist._context import is_donated
+from pardist._context import donating, is_donated
 from pardist._layout import is_dense, laid_out_like, same_layout
 
-__all__ = ["GradientTransformation", "Optimizer", "chain", "schedule", "schedule_value"]
+__all__ = [
+    "GradientTransformation",
+    "Optimizer",
+    "chain",
+    "on_shards",
+    "schedule",
+    "schedule_value",
+]
 
 
 class GradientTransformation(NamedTuple):
@@ -161,3 +169,60 @@ def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list |
     return all(is_dense(t) for t in tensors) and all(
         t is None or same_layout(t, p) for ts in alongside if ts for t, p in zip(ts, tensors)
     )
+
+
+def on_shards(update_fn: Callable, where: str) -> Callable:
+    """``update_fn`` made to take DTensor shards (``pardist.fsdp`` params, their grads, state).
+
+    torch's fused optimizer kernels have no DTensor rule, and DTensor dispatch
+    costs more than updating a shard. The update is elementwise, so each rank
+    updates its local shards and the results keep their layout; donated shards are
+    updated in place and come back as the same DTensors.
+    """
+
+    def update(grads, state, params):
+        p_leaves = _tree.tree_leaves(params)
+        if not any(isinstance(p, DTensor) for p in p_leaves):
+            return update_fn(grads, state, params)
+        aligned(grads, params, where)  # same structure, same (global) shapes
+        for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), p_leaves):
+            if isinstance(g, DTensor) != isinstance(p, DTensor):
+                raise ValueError(
+                    f"{where}: {path} is a {type(g).__name__} but its parameter is a "
+                    f"{type(p).__name__}. pardist.fsdp parameters take the shards that "
+                    "pardist.grad returns inside the data-parallel step."
+                )
+        s_leaves, s_def = _tree.tree_flatten(state)
+        for path, s in _tree.leaves_with_paths(state, "opt_state"):
+            if isinstance(s, torch.Tensor) and not isinstance(s, DTensor) and s.ndim:
+                raise ValueError(
+                    f"{where}: {path} has shape {tuple(s.shape)}, a full tensor, but the "
+                    "params are pardist.fsdp shards. Make the state from the sharded params: "
+                    "opt_state = opt.init(params) after params = pardist.fsdp(params)."
+                )
+        local = lambda x: x._local_tensor if isinstance(x, DTensor) else x  # noqa: E731
+        lp, lg, ls = (list(map(local, ts)) for ts in (p_leaves, _tree.tree_leaves(grads), s_leaves))
+        shards = [x for x in p_leaves + s_leaves if isinstance(x, DTensor)]
+        mine = [t for t in lp + ls if isinstance(t, torch.Tensor)] if is_donated(shards) else []
+        p_def = _tree.tree_flatten(params)[1]
+        with donating(mine):
+            new_p, new_s = update_fn(
+                _tree.tree_unflatten(lg, p_def),
+                _tree.tree_unflatten(ls, s_def),
+                _tree.tree_unflatten(lp, p_def),
+            )
+        return _rewrap(new_p, p_leaves, lp), _rewrap(new_s, s_leaves, ls)
+
+    return update
+
+
+def _rewrap(tree: Any, old: list, old_local: list) -> Any:
+    leaves, treedef = _tree.tree_flatten(tree)
+    if len(leaves) != len(old):
+        return tree
+    out = []
+    for new, was, was_local in zip(leaves, old, old_local):
+        if isinstance(was, DTensor):
+            new = was if new is was_local else DTensor(new, was._spec, requires_grad=False)
+        out.append(new)
+    return _tree.tree_unflatten(out, treedef)

@@ -14,6 +14,7 @@ from pardist.optim._base import (
     aligned,
     fused_ok,
     next_count,
+    on_shards,
     owned,
     schedule,
     schedule_value,
@@ -117,4 +118,4 @@ def sgd(
             SGDState(next_count(state.count, in_place), new_buffers),
         )
 
-    return Optimizer(init_fn, update_fn)
+    return Optimizer(init_fn, on_shards(update_fn, "pardist.optim.sgd.update"))

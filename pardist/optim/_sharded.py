@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _mesh, _tree
+from pardist import _fsdp, _mesh, _tree
 from pardist._context import compiled_plan, donating, is_donated, sharded_over
 from pardist._zero import ParamGather, shard_range, signature
 from pardist.optim import _sharded_compiled
@@ -117,8 +117,31 @@ def sharded(
                 )
         return m, axes, leaves
 
+    def fsdp_shards(params: Any, m, axes, fn: str) -> bool:
+        """Whether params are pardist.fsdp shards over ``axes`` (the state then follows them)."""
+        named = _tree.leaves_with_paths(params, "params")
+        if not any(isinstance(x, DTensor) for _, x in named):
+            return False
+        for path, x in named:
+            found = _fsdp.axes_of(x, m) if _fsdp.is_shard(x) else None
+            if found != axes:
+                what = (
+                    f"{_fsdp.describe('params', path[len('params') :], x)}"
+                    if found
+                    else f"{path} is {type(x).__name__} (not a pardist.fsdp shard over {axes})"
+                )
+                raise ValueError(
+                    f"{where(fn)} over {axes}: {what}. A sharded optimizer over pardist.fsdp "
+                    "shards keeps its state like them: shard the params and the optimizer "
+                    "over the same axis (or use the plain optimizer: its state follows the "
+                    "params' shards), and pass every parameter sharded."
+                )
+        return True
+
     def init_fn(params):
         m, axes, leaves = setup(params, "init")
+        if fsdp_shards(params, m, axes, "init"):  # FSDP: the inner state is sharded already
+            return ShardedState(opt.init(params), signature(leaves), axes)
         size, index, sub = m.size(axes), m.index(axes), m.submesh(axes)
         shards = []
         for leaf in leaves:
@@ -139,12 +162,17 @@ def sharded(
             )
             return new_params, ShardedState(inner, state.signature, state.axis)
         m, axes, leaves = setup(params, "update")
+        fsdp = fsdp_shards(params, m, axes, "update")
         if state.signature != signature(leaves) or state.axis != axes:
             raise ValueError(
                 f"{where('update')}: the state was made for parameters {state.signature} "
                 f"over {state.axis}, not for these {signature(leaves)} over {axes}. Use the "
-                "state that init returned for these parameters."
+                "state that init returned for these parameters (pardist.fsdp shards and "
+                "full parameters each need their own: opt.init(params) after pardist.fsdp)."
             )
+        if fsdp:
+            new_params, inner = opt.update(grads, state.inner, params)
+            return new_params, ShardedState(inner, state.signature, axes)
         size, index, group = m.size(axes), m.index(axes), m.group(axes)
         key = (state.signature, axes, id(m))
         if key not in plans:
