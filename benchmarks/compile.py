@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from vs_ddp import MODELS, interleaved_ms, sync
+from vs_ddp import MODELS, interleaved_ms, pardist_step, sync
 
 import pardist
 
@@ -73,24 +73,7 @@ def variants(name: str, world: int) -> tuple[dict, dict]:
 
     for label in ("pardist", "pardist_compiled", "pardist_compiled_gloo"):
         torch.manual_seed(0)
-        apply, params, buffers = pardist.functional(make().to(device), sync_bn=False)
-        sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
-        state = {"all": (params, buffers, sgd.init(params))}
-
-        def loss_fn(params, buffers, x, y, apply=apply):
-            logits, buffers = apply(params, buffers, x)
-            return F.cross_entropy(logits, y), buffers
-
-        def train_step(params, buffers, opt_state, batch, sgd=sgd, loss_fn=loss_fn):
-            grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)
-            params, opt_state = sgd.update(grads, opt_state, params)
-            return params, buffers, opt_state
-
-        step = pardist.data_parallel(train_step, donate_argnums=(0, 2), compile=label != "pardist")
-
-        def run(step=step, state=state):
-            state["all"] = step(*state["all"], (x, y))
-
+        run = pardist_step(make().to(device), x, y, compile=label != "pardist")
         if label == "pardist_compiled_gloo":
             os.environ["PARDIST_SHM"] = "0"  # read when the step is planned, on its first call
             first[label] = _first_call(run)

@@ -26,7 +26,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
-from vs_ddp import convnet, interleaved_ms  # the same conv net and timing
+from vs_ddp import convnet, interleaved_ms, pardist_step  # the same net, step and timing
 
 import pardist
 
@@ -51,24 +51,7 @@ def variants(name: str) -> dict:
     out = {}
     for sync_bn in (True, False):
         torch.manual_seed(0)
-        apply, params, buffers = pardist.functional(make().to(device), sync_bn=sync_bn)
-        sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
-        state = {"all": (params, buffers, sgd.init(params))}
-
-        def loss_fn(params, buffers, x, y, apply=apply):
-            logits, buffers = apply(params, buffers, x)
-            return F.cross_entropy(logits, y), buffers
-
-        def train_step(params, buffers, opt_state, batch, sgd=sgd, loss_fn=loss_fn):
-            grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)
-            params, opt_state = sgd.update(grads, opt_state, params)
-            return params, buffers, opt_state
-
-        step = pardist.data_parallel(train_step, donate_argnums=(0, 2))
-
-        def run(step=step, state=state):
-            state["all"] = step(*state["all"], (x, y))
-
+        run = pardist_step(make().to(device), x, y, sync_bn=sync_bn)
         out["sync" if sync_bn else "nosync"] = run
     for converted in (False, True) if device.type == "cuda" else (False,):
         torch.manual_seed(0)

@@ -126,28 +126,36 @@ def variants(name: str, world: int, overlap: str = "on"):
         out["ddp" if hook is None else "ddp_half"] = torch_step(ddp, opt)
     for compression in (None, half):
         torch.manual_seed(0)
-        apply, params, buffers = pardist.functional(make().to(device), sync_bn=False)
-        sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
-        state = {"all": (params, buffers, sgd.init(params))}
-
-        def loss_fn(params, buffers, x, y, apply=apply):
-            logits, buffers = apply(params, buffers, x)
-            return F.cross_entropy(logits, y), buffers
-
-        def train_step(params, buffers, opt_state, batch, sgd=sgd, loss_fn=loss_fn):
-            grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)
-            params, opt_state = sgd.update(grads, opt_state, params)
-            return params, buffers, opt_state
-
-        step = pardist.data_parallel(
-            train_step, donate_argnums=(0, 2), compression=compression, overlap=OVERLAP[overlap]
+        run = pardist_step(
+            make().to(device), x, y, compression=compression, overlap=OVERLAP[overlap]
         )
-
-        def run(step=step, state=state):
-            state["all"] = step(*state["all"], (x, y))
-
         out["pardist" if compression is None else "pardist_half"] = run
     return out
+
+
+def pardist_step(net: nn.Module, x, y, sync_bn: bool = False, **options):
+    """pardist's step on ``net`` (SGD with momentum, params and state donated) as a
+    function of nothing that trains one step on ``(x, y)``; ``options`` go to
+    ``data_parallel``. The same step for every benchmark that compares with it."""
+    apply, params, buffers = pardist.functional(net, sync_bn=sync_bn)
+    sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
+    state = {"all": (params, buffers, sgd.init(params))}
+
+    def loss_fn(params, buffers, x, y):
+        logits, buffers = apply(params, buffers, x)
+        return F.cross_entropy(logits, y), buffers
+
+    def train_step(params, buffers, opt_state, batch):
+        grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)
+        params, opt_state = sgd.update(grads, opt_state, params)
+        return params, buffers, opt_state
+
+    step = pardist.data_parallel(train_step, donate_argnums=(0, 2), **options)
+
+    def run():
+        state["all"] = step(*state["all"], (x, y))
+
+    return run
 
 
 def interleaved_ms(fns: dict, steps: int, warmup: int) -> dict[str, float]:
