@@ -64,9 +64,9 @@ class GPT(nn.Module):
         return self.head(self.ln(x)).flatten(0, 1)
 
 
-def gpt_data(batch: int, seq: int):
-    g = torch.Generator().manual_seed(pardist.rank())
-    idx = torch.randint(0, 16384, (batch, seq + 1), generator=g)
+def gpt_data(batch: int, seq: int, vocab: int = 16384):
+    g = torch.Generator().manual_seed(pardist.rank())  # each rank its own tokens
+    idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return idx[:, :-1], idx[:, 1:].reshape(-1)
 
 
@@ -85,7 +85,7 @@ MODELS = {
 # gloo's buffers), so that the memory measured is the model's.
 WARMUP = (
     lambda: GPT(vocab=64, d=16, layers=2, heads=2, ctx=8),
-    lambda: (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (16,))),
+    lambda: gpt_data(2, 8, vocab=64),
     lambda m: list(m.h),
 )
 
