@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import pardist
-from pardist import P, _collectives, _vma
-from pardist._primitives import PsumInvariant, Pvary
-from pardist._tracker import Tracker
+from pardist import P
+from pardist.collectives import _collectives, _vma
+from pardist.step._tracker import Tracker
+from pardist.transport._primitives import PsumInvariant, Pvary
 
 
 def init(dim: int, layers: int, vocab: int, mesh: pardist.Mesh) -> tuple[dict, dict]:
@@ -112,8 +113,8 @@ def body(args) -> dict:
     reduce = _collectives._reduce
 
     def manual(p, tokens):
-        inputs = [t.detach().requires_grad_() for t in pardist._tree.tree_leaves(p)]
-        q = pardist._tree.tree_unflatten(inputs, pardist._tree.tree_flatten(p)[1])
+        inputs = [t.detach().requires_grad_() for t in pardist.runtime._tree.tree_leaves(p)]
+        q = pardist.runtime._tree.tree_unflatten(inputs, pardist.runtime._tree.tree_flatten(p)[1])
         loss = loss_fn(
             q,
             tokens,
@@ -134,7 +135,7 @@ def body(args) -> dict:
     first = {name: fn() for name, fn in ways.items()}
     same = all(
         torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-        for a, b in zip(first["manual"], pardist._tree.tree_leaves(first["pardist"]))
+        for a, b in zip(first["manual"], pardist.runtime._tree.tree_leaves(first["pardist"]))
     )
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(args.steps):

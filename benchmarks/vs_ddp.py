@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import pardist
-from pardist import _shm
+from pardist.transport import _shm
 
 
 def mlp(width: int, hidden: int, depth: int) -> nn.Module:

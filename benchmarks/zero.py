@@ -28,7 +28,7 @@ import pardist
 
 
 def state_bytes(tree) -> int:
-    leaves = pardist._tree.tree_leaves(tree)
+    leaves = pardist.runtime._tree.tree_leaves(tree)
     local = [t.to_local() if isinstance(t, DTensor) else t for t in leaves]
     return sum(t.numel() * t.element_size() for t in local if isinstance(t, torch.Tensor))
 

@@ -7,8 +7,7 @@ instead of wrapped modules.
 """
 
 from pardist import amp, checkpoint, data, optim
-from pardist._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
-from pardist._collectives import (
+from pardist.collectives._collectives import (
     all_gather,
     axis_index,
     axis_size,
@@ -18,18 +17,15 @@ from pardist._collectives import (
     psum,
     pvary,
 )
-from pardist._data_parallel import data_parallel
-from pardist._exchange import all_to_all, psum_scatter
-from pardist._fsdp import fsdp
-from pardist._functional import functional
-from pardist._gather import gather, gather_object
-from pardist._grad import grad, value_and_grad
-from pardist._mesh import Mesh
-from pardist._progress import get_logger, print0, progress
-from pardist._runtime import (
+from pardist.collectives._exchange import all_to_all, psum_scatter
+from pardist.data._gather import gather, gather_object
+from pardist.gradients._grad import grad, value_and_grad
+from pardist.launch._spawn import SpawnError, spawn
+from pardist.nn._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
+from pardist.nn._functional import functional
+from pardist.runtime._mesh import Mesh, distributed, init
+from pardist.runtime._process import (
     device,
-    distributed,
-    init,
     is_initialized,
     is_main,
     local_rank,
@@ -38,11 +34,13 @@ from pardist._runtime import (
     shutdown,
     world_size,
 )
-from pardist._seed import rank_seed, seed_everything, seed_worker
-from pardist._shard_map import shard_map
-from pardist._spawn import SpawnError, spawn
-from pardist._specs import P, local_block, specs, state_specs
-from pardist._warnings import DuplicateBatchWarning, NonFiniteLossWarning
+from pardist.runtime._progress import get_logger, print0, progress
+from pardist.runtime._seed import rank_seed, seed_everything, seed_worker
+from pardist.runtime._warnings import DuplicateBatchWarning, NonFiniteLossWarning
+from pardist.sharding._fsdp import fsdp
+from pardist.step._data_parallel import data_parallel
+from pardist.step._shard_map import shard_map
+from pardist.step._specs import P, local_block, specs, state_specs
 
 __version__ = "0.1.0"
 

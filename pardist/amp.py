@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pardist import _collectives, _runtime, _tree
-from pardist._context import current_step
+from pardist.collectives import _collectives
+from pardist.runtime import _process, _tree
+from pardist.runtime._context import current_step
 
 __all__ = ["DynamicLossScale", "LossScaleState", "autocast", "dynamic_loss_scale"]
 
@@ -47,7 +48,7 @@ def autocast(
     dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=_runtime.device().type, dtype=dtype, enabled=enabled)
+    return torch.autocast(device_type=_process.device().type, dtype=dtype, enabled=enabled)
 
 
 class LossScaleState(NamedTuple):

@@ -39,7 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pardist import _replication, _tree
+from pardist.runtime import _tree
+from pardist.step import _replication
 
 __all__ = ["MARKER", "latest", "load", "save", "steps"]
 

@@ -21,7 +21,7 @@ os.environ.setdefault("PARDIST_TIMEOUT", "30")
 # hold two nccl ranks. The CUDA path runs in tests/test_cuda.py, at world size 1.
 os.environ.setdefault("PARDIST_DEVICE", "cpu")
 
-from pardist._spawn import SpawnError, Workers  # noqa: E402
+from pardist.launch._spawn import SpawnError, Workers  # noqa: E402
 
 CALL_TIMEOUT = 120.0
 

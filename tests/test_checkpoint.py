@@ -36,14 +36,14 @@ def _state(seed: int = 0):
 
 
 def _like(state):
-    return pardist._tree.tree_map(
+    return pardist.runtime._tree.tree_map(
         lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else type(x)(), state
     )
 
 
 def _assert_equal(a, b):
-    flat_a, spec_a = pardist._tree.tree_flatten(a)
-    flat_b, spec_b = pardist._tree.tree_flatten(b)
+    flat_a, spec_a = pardist.runtime._tree.tree_flatten(a)
+    flat_b, spec_b = pardist.runtime._tree.tree_flatten(b)
     assert spec_a == spec_b
     for x, y in zip(flat_a, flat_b):
         if isinstance(x, torch.Tensor):
@@ -55,13 +55,15 @@ def _assert_equal(a, b):
 def test_round_trip_in_one_process(tmp_path):
     state = _state()
     like = _like(state)
-    before = [t.clone() for t in pardist._tree.tree_leaves(like) if isinstance(t, torch.Tensor)]
+    before = [
+        t.clone() for t in pardist.runtime._tree.tree_leaves(like) if isinstance(t, torch.Tensor)
+    ]
     path = checkpoint.save(tmp_path, state, step=state["step"])
     assert path == str(tmp_path / "7") and checkpoint.latest(tmp_path) == path
     loaded = checkpoint.load(path, like)
     _assert_equal(loaded, state)
     assert type(loaded["opt_state"]) is type(state["opt_state"])  # NamedTuples come back
-    after = [t for t in pardist._tree.tree_leaves(like) if isinstance(t, torch.Tensor)]
+    after = [t for t in pardist.runtime._tree.tree_leaves(like) if isinstance(t, torch.Tensor)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))  # like is not mutated
 
 

@@ -148,7 +148,7 @@ def _transformer_zero(compile, steps: int = 3):
         prints.append({k: v.clone() for k, v in params.items()})
     held = [
         t.to_local().numel()
-        for t in pardist._tree.tree_leaves(state.inner)
+        for t in pardist.runtime._tree.tree_leaves(state.inner)
         if isinstance(t, DTensor)
     ]
     return params, losses, kinds, prints, len(counter.graphs), _collectives_in(counter.graphs), held

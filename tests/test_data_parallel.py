@@ -61,7 +61,7 @@ def test_replicas_bit_identical_after_every_step(run, nprocs):
 
 
 def _tensors(tree):
-    return [t for t in pardist._tree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return [t for t in pardist.runtime._tree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _check_unmutated(donate: bool):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import pardist
-from pardist import _download
+from pardist.data import _download
 
 FILES = {"toy/train/a/1.txt": b"one", "toy/train/b/2.txt": b"two", "toy/val/a/3.txt": b"three"}
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import pardist
-from pardist import _segments
-from pardist._spawn import SpawnError
+from pardist.launch._spawn import SpawnError
+from pardist.transport import _segments
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parents[1]
@@ -139,7 +139,7 @@ def test_a_timeout_names_the_collective_the_axis_the_late_rank_and_the_setting(r
     with pytest.raises(SpawnError) as info:  # bounded: the run's own timeout would fail it
         run(2, _skip_a_psum, env={**env, "PARDIST_TIMEOUT": "3"})
     message = info.value.errors[0]
-    assert "pardist._faults.CollectiveTimeout: " in message
+    assert "pardist.runtime._faults.CollectiveTimeout: " in message
     assert re.search(r"pardist\.psum / pmean (of float32 \(3,\) )?over axis 'gpu'", message)
     assert "Rank(s) [1] never arrived" in message and "PARDIST_TIMEOUT" in message, message
     if env == GLOO:  # and what gloo itself said, for the record
@@ -233,7 +233,7 @@ def _kill_self_after(module, name: str, rank: int):
 
 
 def _set_up_a_segment_and_die(rank: int, where: str):
-    from pardist._shm import SharedMemoryGroup
+    from pardist.transport._shm import SharedMemoryGroup
 
     if where == "created":  # the file exists, nobody has mapped it yet
         _kill_self_after(os, "posix_fallocate", rank)

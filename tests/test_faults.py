@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pardist
-from pardist._spawn import SpawnError
+from pardist.launch._spawn import SpawnError
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).parents[1]
@@ -196,8 +196,8 @@ def test_a_rendezvous_port_held_by_another_program_fails_fast(busy_port):
 
 
 def test_a_master_port_in_use_says_what_to_do(busy_port):
-    from pardist._ports import PortInUseError
     from pardist.launch import prepare
+    from pardist.launch._ports import PortInUseError
 
     t = time.monotonic()
     with pytest.raises(

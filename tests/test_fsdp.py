@@ -18,7 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import pardist
-from pardist import P, _fsdp_units, optim
+from pardist import P, optim
+from pardist.sharding import _units as _fsdp_units
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 4

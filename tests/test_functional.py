@@ -132,7 +132,7 @@ def test_tied_weights_replaced_buffers_and_wrong_keys():
 
 def _in_grad(with_grad: bool):
     """The statistics made inside the differentiated function ride with the gradients."""
-    import pardist._collectives as collectives
+    import pardist.collectives._collectives as collectives
 
     bn = nn.BatchNorm1d(3)
     apply, params, buffers = pardist.functional(bn, sync_bn=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pardist import launch
-from pardist._ports import check_endpoint, port_owner
+from pardist.launch._ports import check_endpoint, port_owner
 
 ROOT = Path(__file__).parents[1]
 

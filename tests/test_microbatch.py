@@ -89,7 +89,7 @@ def test_accumulation_with_batch_norm_and_two_batch_arguments_equals_one_torch_p
 
 def _count_reductions(k: int):
     """Spy on the reducer (the real one runs): when each bucket's reduction starts."""
-    from pardist._reducer import Reducer
+    from pardist.transport._reducer import Reducer
 
     torch.manual_seed(0)
     wide = torch.nn.Sequential(  # over the 1 MiB first bucket, then small ones

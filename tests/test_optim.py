@@ -158,7 +158,9 @@ def test_update_is_pure(make):
     params, grads = problem()
     state = opt.init(params)
     state = opt.update(grads[0], state, params)[1]  # past the first step's special case
-    leaves = lambda t: [x for x in pardist._tree.tree_leaves(t) if isinstance(x, torch.Tensor)]  # noqa: E731
+    leaves = lambda t: [
+        x for x in pardist.runtime._tree.tree_leaves(t) if isinstance(x, torch.Tensor)
+    ]  # noqa: E731
     before = [x.clone() for x in leaves((grads[1], state, params))]
     new_params, new_state = opt.update(grads[1], state, params)
     assert all(torch.equal(a, b) for a, b in zip(before, leaves((grads[1], state, params))))

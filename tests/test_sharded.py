@@ -67,7 +67,9 @@ def _compare(name, donate):
     reference, _, plain = train(name, shard=False)
     ours, state, kinds = train(name, shard=True, donate=donate)
     local = sum(
-        t.to_local().numel() for t in pardist._tree.tree_leaves(state) if isinstance(t, DTensor)
+        t.to_local().numel()
+        for t in pardist.runtime._tree.tree_leaves(state)
+        if isinstance(t, DTensor)
     )
     return reference, ours, kinds, plain, local
 
@@ -87,7 +89,7 @@ def _memory():
     state = optim.sharded(optim.adamw(1e-3)).init(big)
     mine = sum(
         t.to_local().numel() * t.element_size()
-        for t in pardist._tree.tree_leaves(state)
+        for t in pardist.runtime._tree.tree_leaves(state)
         if isinstance(t, DTensor)
     )
     total = 2 * sum(t.numel() * t.element_size() for t in big.values())  # exp_avg, exp_avg_sq

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pardist
-from pardist._shm import SharedMemoryGroup
+from pardist.transport._shm import SharedMemoryGroup
 
 
 def _sums(numels):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pardist
-from pardist._spawn import SpawnError, Workers
+from pardist.launch._spawn import SpawnError, Workers
 
 pytestmark = pytest.mark.timeout(90)
 

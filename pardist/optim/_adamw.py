@@ -10,7 +10,6 @@ import torch
 from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
-from pardist import _tree
 from pardist.optim._base import (
     Optimizer,
     aligned,
@@ -21,6 +20,7 @@ from pardist.optim._base import (
     schedule,
     schedule_value,
 )
+from pardist.runtime import _tree
 
 __all__ = ["AdamWState", "adam", "adamw"]
 

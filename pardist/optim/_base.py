@@ -15,9 +15,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist import _ops, _tree
-from pardist._context import donating, is_donated
-from pardist._layout import is_dense, laid_out_like, same_layout
+from pardist.compile import _ops
+from pardist.runtime import _tree
+from pardist.runtime._context import donating, is_donated
+from pardist.runtime._layout import is_dense, laid_out_like, same_layout
 
 __all__ = [
     "GradientTransformation",

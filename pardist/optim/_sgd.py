@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim.sgd import sgd as torch_sgd
 
-from pardist import _tree
 from pardist.optim._base import (
     Optimizer,
     aligned,
@@ -19,6 +18,7 @@ from pardist.optim._base import (
     schedule,
     schedule_value,
 )
+from pardist.runtime import _tree
 
 __all__ = ["SGDState", "sgd"]
 

@@ -23,11 +23,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist import _fsdp, _mesh, _tree
-from pardist._context import compiled_plan, donating, is_donated, sharded_over
-from pardist._zero import ParamGather, shard_range, signature
 from pardist.optim import _sharded_compiled
 from pardist.optim._base import Optimizer
+from pardist.runtime import _mesh, _tree
+from pardist.runtime._context import compiled_plan, donating, is_donated, sharded_over
+from pardist.sharding import _fsdp
+from pardist.transport._scatter import ParamGather, shard_range, signature
 
 __all__ = ["ShardedState", "sharded"]
 

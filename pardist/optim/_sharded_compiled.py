@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist import _traced, _tree
-from pardist._context import donating, is_donated, sharded_over
-from pardist._zero import shard_range
+from pardist.compile import _traced
 from pardist.optim._base import Optimizer
+from pardist.runtime import _tree
+from pardist.runtime._context import donating, is_donated, sharded_over
+from pardist.transport._scatter import shard_range
 
 __all__ = ["update"]
 

@@ -8,9 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pardist import _collectives, _tree
-from pardist._context import compiled_plan, shard_group
+from pardist.collectives import _collectives
 from pardist.optim._base import GradientTransformation
+from pardist.runtime import _tree
+from pardist.runtime._context import compiled_plan, shard_group
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 

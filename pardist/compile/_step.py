@@ -1,0 +1,339 @@
+"""``data_parallel(step, compile=True)``: the whole step as one compiled graph.
+
+JAX users jit their data-parallel step: one graph for the forward, the backward,
+the gradient mean and the update. A pure step over parameter trees is the
+easiest thing in PyTorch to compile, since there is no module state and no hook
+on a model. ``data_parallel`` keeps its eager bookkeeping outside the graph
+(specs, the first call's replication check, donation), and hands the step to
+``torch.compile`` inside a step context whose collectives, ``pardist.grad`` and
+optimizers take traceable paths: gradients by ``torch.func.grad_and_value``,
+means in flat buckets of the graph (``_traced``), batch-norm statistics by a
+traced all-gather, updates by torch's foreach kernels.
+
+Everything the traced code reads from outside is a :class:`Plan` of constants
+made once per step signature, so a second call does not recompile; each step
+gets its own code object, so steps never share dynamo's recompilation budget.
+
+A step that cannot be compiled (Python control flow on tensor values, an
+unsupported call) falls back to the eager step with one warning that names the
+reason; ranks agree on that choice before any of them runs the graph, so they
+never mix compiled and eager collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from pardist.runtime import _context, _mesh, _tree
+from pardist.runtime._context import StepContext
+from pardist.transport import _shm
+
+__all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step", "outer_compile"]
+
+EAGER = object()  # returned when the step must run eagerly
+_OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options")
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisInfo:
+    """One axis (or tuple of axes) of the mesh, as constants a graph can hold."""
+
+    size: int
+    index: int
+    groups: tuple[str, ...]  # group names to reduce over, innermost axis first
+    shm: tuple[bool, ...]  # per group: through shared memory (else a functional collective)
+    group: str | None  # one group spanning the axis (all-gather, reduce-scatter)
+    gather_shm: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """What a compiled step knows about itself: the same object on every call."""
+
+    name: str
+    axis: tuple[str, ...]
+    axis_key: Any  # the key of the step's axis in ``axes``
+    size: int
+    sharded: tuple[int, ...]  # flat positions of the arguments' leaves sharded over the axis
+    donated: tuple[int, ...]
+    scatter: frozenset
+    compression: torch.dtype | None
+    bucket_bytes: int
+    first_bucket_bytes: int
+    axes: dict  # axis name, or tuple of names -> AxisInfo
+    submesh: Any  # torch DeviceMesh over the step's axis (for DTensor gradient shards)
+
+
+def _shared(group: dist.ProcessGroup) -> bool:
+    return group.size() > 1 and _shm.for_collectives(group) is not None
+
+
+def _axis_info(mesh: _mesh.Mesh, names: tuple[str, ...]) -> AxisInfo:
+    groups = mesh.groups(names)
+    group = mesh.group(names) if mesh.size(names) > 1 else None
+    return AxisInfo(
+        size=mesh.size(names),
+        index=mesh.index(names),
+        groups=tuple(g.group_name for g in groups),
+        shm=tuple(_shared(g) for g in groups),
+        group=None if group is None else group.group_name,
+        gather_shm=group is not None and _shared(group),
+    )
+
+
+def make_plan(step: Any, mesh: _mesh.Mesh, axes: tuple, sharded, donated, scatter) -> Plan:
+    """The plan of one step signature; collective on first use (shared memory is set up).
+
+    ``sharded`` lists every leaf that varies over the axis: those whose spec shards
+    them, and DTensors (a sharded optimizer's state).
+    """
+    infos: dict = {}
+    for name in mesh.axis_names:
+        infos[name] = _axis_info(mesh, (name,))
+    for names in {axes, mesh.axis_names}:
+        if len(names) > 1:
+            infos[names] = _axis_info(mesh, names)
+    key = axes[0] if len(axes) == 1 else axes
+    return Plan(
+        name=step.where,
+        axis=axes,
+        axis_key=key,
+        size=mesh.size(axes),
+        sharded=tuple(sharded),
+        donated=tuple(donated),
+        scatter=scatter,
+        compression=step.compression,
+        bucket_bytes=int(step.bucket_mb * 2**20),
+        first_bucket_bytes=2**20,
+        axes=infos,
+        submesh=mesh.submesh(axes),
+    )
+
+
+def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
+    """The function dynamo traces: the step inside a context of the plan's constants.
+
+    The step sees aliases of its inputs, made inside the graph: pardist tells
+    inputs apart by ``id()``, which dynamo would guard on (recompiling for every
+    new tensor) for the inputs themselves but not for tensors the graph made.
+    Writes through an alias reach the input (donation), and a donated input the
+    step returns comes back as the input itself, as in the eager step.
+    """
+    leaves, treedef = _tree.tree_flatten(args)
+    seen = [x.view_as(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    args = _tree.tree_unflatten(seen, treedef)
+    if kwargs:
+        kwargs = _tree.tree_map(
+            lambda x: x.view_as(x) if isinstance(x, torch.Tensor) else x, kwargs
+        )
+    ctx = StepContext(
+        name=plan.name,
+        mesh=None,
+        axis=plan.axis,
+        size=plan.size,
+        varying={id(seen[i]) for i in plan.sharded},
+        donated={id(seen[i]) for i in plan.donated},
+        inputs={id(x) for x in seen},
+        reducers={},
+        scatter=plan.scatter,
+        compression=plan.compression,
+        bucket_bytes=plan.bucket_bytes,
+        first_bucket_bytes=plan.first_bucket_bytes,
+        plan=plan,
+    )
+    _context._active.append(ctx)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        _context._active.pop()
+    if not plan.donated:
+        return out
+    back = {id(seen[i]): i for i in plan.donated}
+    return _tree.tree_map(
+        lambda y: leaves[back[id(y)]] if isinstance(y, torch.Tensor) and id(y) in back else y, out
+    )
+
+
+def _own_code(f: types.FunctionType) -> types.FunctionType:
+    """A copy of ``f`` with its own code object: dynamo keeps caches per code object."""
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__)
+    return functools.update_wrapper(g, f)
+
+
+def _reason(e: BaseException) -> str:
+    """The first informative line of a compilation error."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    head = lines[0] if lines else type(e).__name__
+    cause = e.__cause__ or e.__context__
+    if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and cause is not None:
+        return _reason(cause)
+    for line in lines:  # an error the step raised while traced: dynamo names it here
+        if "raised exception " in line:
+            return line.split("raised exception ", 1)[1][:500]
+    for line in lines[1:4]:
+        if line.startswith(("Explanation:", "Hint:")) or "line " in line:
+            head += " " + line
+    return f"{type(e).__name__}: {head}"[:500]
+
+
+class _Refused(RuntimeError):
+    """Another rank could not compile the step: every rank runs it eagerly."""
+
+
+class _Backend:
+    """The user's backend, plus the ranks' agreement on the first compilation."""
+
+    def __init__(self, backend: Any, mode: Any, options: Any, dynamic: Any):
+        if backend == "inductor":
+            backend = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+        elif isinstance(backend, str):
+            backend = torch._dynamo.lookup_backend(backend)
+        self.inner = backend
+        self.agreeing = False  # during a step's first call
+        self.verdict: str | None = None  # set once the ranks have agreed
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        self.graphs += 1
+        try:
+            compiled, problem = self.inner(gm, example_inputs), None
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # dynamo traces again and calls back: nothing to agree on yet
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+            compiled, problem, error = None, _reason(e), e
+        if self.agreeing:
+            self.verdict = agree(problem)
+            if self.verdict:
+                raise _Refused(self.verdict)
+        if problem:
+            raise error
+        return compiled
+
+
+def agree(problem: str | None) -> str:
+    """Every rank's verdict on compiling: '' if all could, else the first problem."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem or ""
+    verdicts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, problem)
+    for rank, v in enumerate(verdicts):
+        if v:
+            return v if v == problem else f"on rank {rank}: {v}"
+    return ""
+
+
+class CompiledStep:
+    """The compiled form of one ``data_parallel`` step, with its eager fallback."""
+
+    def __init__(self, options: dict, where: str):
+        unknown = set(options) - set(_OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"{where}: compile= takes True or a dict of torch.compile arguments "
+                f"{_OPTIONS}; got {sorted(unknown)}."
+            )
+        opts = {"fullgraph": True, "dynamic": None, "backend": "inductor", **options}
+        self.backend = _Backend(
+            opts["backend"], opts.get("mode"), opts.get("options"), opts["dynamic"]
+        )
+        self.compiled = torch.compile(
+            _own_code(_run_traced),
+            fullgraph=opts["fullgraph"],
+            dynamic=opts["dynamic"],
+            backend=self.backend,
+        )
+        self.plans: dict = {}
+        self.fallback: str | None = None  # why the step runs eagerly, once decided
+        self.calls = 0
+
+    def __call__(self, step: Any, args: tuple, kwargs: dict, mesh, axes, sharded, donated, scatter):
+        if self.fallback is not None:
+            return EAGER
+        model = {a: n for a, n in mesh.shape.items() if n > 1 and a not in axes}
+        if model or not axes:
+            # Values that vary over model axes need pardist's tracking of varying axes
+            # (JAX's transposes), which lives in eager Python. The mesh is the same on
+            # every rank, so every rank decides this alike without agreeing.
+            self.fallback = (
+                f"its mesh has axes beyond the data axes {axes}: {model}; tensor parallelism "
+                "is compiled only where those axes have size 1"
+                if axes
+                else "it has no data axis"
+            )
+            _warn(step.where, self.fallback)
+            return EAGER
+        leaves = _tree.tree_leaves(args)
+        varying = tuple(sharded) + tuple(
+            i for i, x in enumerate(leaves) if isinstance(x, DTensor) and i not in sharded
+        )
+        key = (id(mesh), axes, varying, tuple(donated), scatter)
+        if key not in self.plans:
+            self.plans[key] = make_plan(step, mesh, axes, varying, donated, scatter)
+        first = self.calls == 0
+        self.calls += 1
+        self.backend.agreeing, self.backend.verdict = first, None
+        try:
+            if not first:
+                return self.compiled(step.fn, self.plans[key], args, kwargs)
+            # Hyper-parameters read as Python floats (batch norm's momentum, eps) are
+            # constants: specialized now, dynamo need not trace twice to learn it.
+            with torch._dynamo.config.patch(specialize_float=True):
+                return self.compiled(step.fn, self.plans[key], args, kwargs)
+        except Exception as e:
+            if not first:
+                raise
+            if self.backend.verdict is None:  # this rank failed before compiling
+                verdict = agree(_reason(e))
+            else:  # the ranks agreed already (inside the backend)
+                verdict = self.backend.verdict
+                if not verdict:  # compiled everywhere, then failed while running: a real error
+                    raise
+            self.fallback = verdict
+            _warn(step.where, verdict)
+            return EAGER
+        finally:
+            self.backend.agreeing = False
+
+
+def _warn(where: str, reason: str) -> None:
+    warnings.warn(
+        f"{where}: compile=True could not compile the step ({reason}). It runs "
+        "eagerly instead, with the same numbers. Keep Python control flow off tensor "
+        "values (use torch.where), or pass compile=False to silence this.",
+        stacklevel=4,
+    )
+
+
+def compiled_step(compile: bool | dict, where: str) -> CompiledStep | None:  # noqa: A002
+    """``data_parallel``'s ``compile=`` argument as a :class:`CompiledStep` (or None)."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return CompiledStep({}, where)
+    if isinstance(compile, dict):
+        return CompiledStep(dict(compile), where)
+    raise TypeError(
+        f"{where}: compile= takes True, False or a dict of torch.compile arguments, "
+        f"got {type(compile).__name__}."
+    )
+
+
+@torch._dynamo.disable(reason="pardist.data_parallel compiles its step itself (compile=True)")
+def outer_compile(step: Any, args: tuple, kwargs: dict) -> Any:
+    """``torch.compile(data_parallel(step))``: compile the step the way compile=True does.
+
+    Dynamo cannot trace data_parallel's bookkeeping (the first call's checks are
+    collectives over Python objects), so the outer compilation stops here and
+    the step compiles itself, collectives and all.
+    """
+    if step.compiled is None:
+        step.compiled = CompiledStep({}, step.where)
+    return step(*args, **kwargs)

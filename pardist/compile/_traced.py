@@ -1,0 +1,300 @@
+"""Collectives inside a compiled step: traceable, differentiable, bucketed.
+
+In a step made by ``data_parallel(step, compile=True)`` every collective becomes
+a node of the step's graph. Between CPU ranks of one host that node is
+pardist's shared-memory transport, called as an opaque operator (``_ops``);
+elsewhere it is one of torch's functional collectives (gloo or nccl), which
+inductor can also schedule around. Each is wrapped in an autograd Function with
+``setup_context``, as in ``_collectives``: torch's own autograd formulas for
+functional collectives (``torch.library.register_autograd``) raise under
+``torch.func.grad`` on torch 2.13.
+
+Gradients are averaged in flat buckets the graph can see: one concatenation per
+bucket (reverse parameter order, ~25 MB, the first ~1 MB, one dtype each), one
+all-reduce (or reduce-scatter, for a sharded optimizer) and views back, with the
+same layout and arithmetic as the eager reducer.
+
+Axes are looked up in the step's :class:`~pardist.compile._step.Plan`, which holds
+group names and sizes as plain constants (nothing a compiler must guard on
+changes between calls).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from pardist.compile import _ops  # noqa: F401  (_ops registers torch.ops.pardist)
+from pardist.runtime import _tree
+
+__all__ = [
+    "all_gather",
+    "axis_index",
+    "axis_size",
+    "bucket_plan",
+    "mean",
+    "mean_scatter",
+    "pmax",
+    "pmean",
+    "psum",
+]
+
+
+def _axis(plan: Any, axis: Any, where: str) -> Any:
+    key = axis if isinstance(axis, str) else tuple(axis)
+    if isinstance(key, tuple) and len(key) == 1:
+        key = key[0]
+    info = plan.axes.get(key)
+    if info is None:
+        raise ValueError(
+            f"pardist.{where}: axis {axis!r} is not an axis of this compiled step's mesh "
+            f"(known: {sorted(map(str, plan.axes))}). Name one of the mesh's axes, or the "
+            "step's own axis tuple."
+        )
+    return info
+
+
+def _all_reduce(x: torch.Tensor, groups: tuple, shm: tuple, op: str) -> torch.Tensor:
+    for name, via_shm in zip(groups, shm):  # innermost axis first, as the eager reducer
+        if via_shm:
+            x = torch.ops.pardist.shm_all_reduce(x, name, op)
+        else:
+            x = funcol.wait_tensor(torch.ops._c10d_functional.all_reduce(x.contiguous(), op, name))
+    return x
+
+
+class _Psum(torch.autograd.Function):
+    @staticmethod
+    def forward(x, groups, shm):
+        return _all_reduce(x, groups, shm, "sum")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.groups, ctx.shm = inputs[1], inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Psum.apply(grad, ctx.groups, ctx.shm), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, shm):
+        return _Psum.apply(x, groups, shm), in_dims[0]
+
+
+class _Pmax(torch.autograd.Function):
+    @staticmethod
+    def forward(x, groups, shm):
+        return _all_reduce(x, groups, shm, "max")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.groups, ctx.shm = inputs[1], inputs[2]
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(grad.dtype)
+        ties = _Psum.apply(hit, ctx.groups, ctx.shm)  # ranks sharing the maximum split it
+        return _Psum.apply(grad, ctx.groups, ctx.shm) * hit / ties, None, None
+
+
+def _gather(x: torch.Tensor, group: str, shm: bool, size: int, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim``, in group order."""
+    first = x.movedim(dim, 0).contiguous()
+    if shm:
+        y = torch.ops.pardist.shm_all_gather(first, group, size)
+    else:
+        y = funcol.wait_tensor(
+            torch.ops._c10d_functional.all_gather_into_tensor(first, size, group)
+        )
+    y = y.view(size, *first.shape).movedim((0, 1), (dim, dim + 1))
+    return y.reshape(*x.shape[:dim], size * x.shape[dim], *x.shape[dim + 1 :])
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(x, group, shm, size, index, dim, invariant):
+        return _gather(x, group, shm, size, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, ctx.group, ctx.shm, _, ctx.index, ctx.dim, ctx.invariant = inputs
+        ctx.length = x.shape[ctx.dim]
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each rank's slice is used by every rank: its cotangent is the sum over ranks,
+        # unless the result is invariant (every rank did the same work with it).
+        total = grad if ctx.invariant else _Psum.apply(grad, (ctx.group,), (ctx.shm,))
+        return total.narrow(ctx.dim, ctx.index * ctx.length, ctx.length), *([None] * 6)
+
+
+def _coalesced(tree: Any, where: str, fn) -> Any:
+    """``fn`` once per dtype over the concatenated leaves (as the eager collectives)."""
+    leaves = _tree.check_tensor_leaves(tree, where=where, name="tree")
+    spec = _tree.tree_flatten(tree)[1]
+    out: list = [None] * len(leaves)
+    kinds: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        kinds.setdefault((leaf.dtype, leaf.device), []).append(i)
+    for index in kinds.values():
+        if len(index) == 1:
+            out[index[0]] = fn(leaves[index[0]])
+            continue
+        flat = fn(torch.cat([leaves[i].reshape(-1) for i in index]))
+        for i, piece in zip(index, flat.split([leaves[i].numel() for i in index])):
+            out[i] = piece.view(leaves[i].shape)
+    return _tree.tree_unflatten(out, spec)
+
+
+def psum(tree: Any, axis: Any, plan: Any) -> Any:
+    info = _axis(plan, axis, "psum")
+    if not info.groups:
+        return _tree.tree_map(lambda x: x, tree)
+    return _coalesced(tree, "pardist.psum", lambda x: _Psum.apply(x, info.groups, info.shm))
+
+
+def pmean(tree: Any, axis: Any, plan: Any) -> Any:
+    info = _axis(plan, axis, "pmean")
+    if not info.groups:
+        return _tree.tree_map(lambda x: x, tree)
+    return _coalesced(
+        tree, "pardist.pmean", lambda x: _Psum.apply(x, info.groups, info.shm) / info.size
+    )
+
+
+def pmax(tree: Any, axis: Any, plan: Any) -> Any:
+    info = _axis(plan, axis, "pmax")
+    if not info.groups:
+        return _tree.tree_map(lambda x: x, tree)
+    return _coalesced(tree, "pardist.pmax", lambda x: _Pmax.apply(x, info.groups, info.shm))
+
+
+def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = False) -> Any:
+    info = _axis(plan, axis, "all_gather")
+    leaves = _tree.check_tensor_leaves(tree, where="pardist.all_gather", name="tree")
+    if info.size == 1:
+        return _tree.tree_map(lambda x: x, tree)
+    out = []
+    for x in leaves:
+        if x.ndim == 0:
+            raise ValueError(
+                "pardist.all_gather: a leaf is a scalar (shape ()); there is no dim "
+                f"{dim} to concatenate along. Use x[None] to gather scalars into a vector."
+            )
+        out.append(
+            _AllGather.apply(
+                x, info.group, info.gather_shm, info.size, info.index, dim % x.ndim, invariant
+            )
+        )
+    return _tree.tree_unflatten(out, _tree.tree_flatten(tree)[1])
+
+
+def axis_index(axis: Any, plan: Any) -> int:
+    return _axis(plan, axis, "axis_index").index
+
+
+def axis_size(axis: Any, plan: Any) -> int:
+    return _axis(plan, axis, "axis_size").size
+
+
+def bucket_plan(like: list[torch.Tensor], bucket_bytes: int, first_bytes: int) -> list[list[int]]:
+    """Indices of ``like`` per bucket, as the eager reducer assigns them.
+
+    Reverse order (the last layers' gradients come first), one dtype and device
+    per bucket, a bucket closing once it holds ``bucket_bytes`` (``first_bytes``
+    for the first).
+    """
+    buckets: list[list[int]] = []
+    sizes: list[int] = []
+    open_by_kind: dict[tuple, int] = {}
+    for i in reversed(range(len(like))):
+        t = like[i]
+        kind = (t.dtype, t.device)
+        b = open_by_kind.get(kind)
+        cap = first_bytes if not buckets or b == 0 else bucket_bytes
+        if b is None or sizes[b] * t.element_size() >= cap:
+            buckets.append([])
+            sizes.append(0)
+            b = open_by_kind[kind] = len(buckets) - 1
+        buckets[b].append(i)
+        sizes[b] += t.numel()
+    return buckets
+
+
+def _comm_dtype(plan: Any, dtype: torch.dtype) -> torch.dtype | None:
+    c = plan.compression
+    return c if c is not None and dtype.is_floating_point and c != dtype else None
+
+
+def mean(tensors: list[torch.Tensor], plan: Any) -> list[torch.Tensor]:
+    """Each tensor summed over the step's axis, in flat buckets (callers pre-divide).
+
+    The sum is of values already divided by the number of contributions, as the
+    eager reducer writes them, so the result is the mean with the same rounding.
+    """
+    info = plan.axes[plan.axis_key]
+    out: list = [None] * len(tensors)
+    for index in bucket_plan(tensors, plan.bucket_bytes, plan.first_bucket_bytes):
+        flat = torch.cat([tensors[i].reshape(-1) for i in index])
+        comm = _comm_dtype(plan, flat.dtype)
+        reduced = _Psum.apply(flat if comm is None else flat.to(comm), info.groups, info.shm)
+        reduced = reduced.to(flat.dtype)
+        for i, piece in zip(index, reduced.split([tensors[i].numel() for i in index])):
+            out[i] = piece.view(tensors[i].shape)
+    return out
+
+
+def mean_scatter(tensors: list[torch.Tensor], plan: Any) -> list[torch.Tensor]:
+    """This rank's flat shard of each tensor's sum over the axis (ZeRO-2's reduce-scatter).
+
+    Each tensor of n elements is cut into ``size`` chunks of ``ceil(n / size)``
+    (the last zero-padded), and a bucket is a (size, row) matrix whose row k
+    holds rank k's chunk of every tensor, as in the eager ``ScatterReducer``.
+    """
+    info = plan.axes[plan.axis_key]
+    size, index = info.size, info.index
+    out: list = [None] * len(tensors)
+    for bucket in bucket_plan(tensors, plan.bucket_bytes, plan.first_bucket_bytes):
+        blocks, chunks = [], []
+        for i in bucket:
+            flat = tensors[i].reshape(-1)
+            chunk = -(-flat.numel() // size)
+            flat = torch.nn.functional.pad(flat, (0, chunk * size - flat.numel()))
+            blocks.append(flat.view(size, chunk))
+            chunks.append(chunk)
+        matrix = torch.cat(blocks, dim=1).reshape(-1)
+        if info.gather_shm:
+            row = torch.ops.pardist.shm_reduce_scatter(matrix, info.group, size, index)
+        else:
+            row = funcol.wait_tensor(
+                torch.ops._c10d_functional.reduce_scatter_tensor(matrix, "sum", size, info.group)
+            )
+        for i, piece in zip(bucket, row.split(chunks)):
+            n = tensors[i].numel()
+            chunk = -(-n // size)
+            start = min(index * chunk, n)
+            out[i] = piece[: min(start + chunk, n) - start]
+    return out
+
+
+def gather_rows(rows: list[torch.Tensor], numels: list[int], plan: Any) -> list[torch.Tensor]:
+    """Inverse of :func:`mean_scatter`'s layout: every rank's shard, concatenated (flat)."""
+    info = plan.axes[plan.axis_key]
+    size = info.size
+    out: list = [None] * len(rows)
+    for bucket in bucket_plan(rows, plan.bucket_bytes, plan.first_bucket_bytes):
+        chunks = [-(-numels[i] // size) for i in bucket]
+        row = torch.cat(
+            [
+                torch.nn.functional.pad(rows[i], (0, c - rows[i].numel()))
+                for i, c in zip(bucket, chunks)
+            ]
+        )
+        block = _gather(row, info.group, info.gather_shm, size, 0).view(size, -1)
+        for i, part in zip(bucket, block.split(chunks, dim=1)):
+            out[i] = part.reshape(-1)[: numels[i]]
+    return out

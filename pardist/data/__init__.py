@@ -1,0 +1,11 @@
+"""``pardist.data``: feeding every rank its own piece of a dataset, evenly.
+
+``shard`` (fastai's DistributedDL over any DataLoader), ``even`` / ``check_even``
+for loaders you shard yourself, ``untar`` (fastai's ``untar_data``); ``gather``
+for exact evaluation lives here too (``pardist.gather``). May import
+``pardist.runtime`` and ``pardist.collectives``.
+"""
+
+from pardist.data._loader import Even, ShardedLoader, check_even, even, shard, untar
+
+__all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "untar"]

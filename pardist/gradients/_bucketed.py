@@ -1,0 +1,329 @@
+"""The fast path of ``pardist.grad`` inside a step: gradients handed to buckets during the backward.
+
+Each replicated input's gradient goes to a :class:`~pardist.transport._reducer.Reducer`
+(or, for a sharded optimizer, a reduce-scatter) the moment autograd produces it.
+With ``accumulate=k`` the k micro-batches add into the same buckets, and only the
+last one's backward launches the reduction: one reduction per step. The buckets
+also carry, at no extra collective, the table of every rank's loss and row count
+(``_perrank``): the global loss in full precision, the row-weighted mean, and
+the report of a non-finite loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from pardist.collectives import _vma
+from pardist.gradients import _microbatch, _perrank
+from pardist.runtime import _tree
+from pardist.runtime._context import StepContext
+from pardist.runtime._layout import laid_out_like
+from pardist.sharding import _fsdp
+from pardist.transport._reducer import Reducer
+from pardist.transport._scatter import ScatterReducer, signature
+
+__all__ = ["Call", "compute", "split_value"]
+
+
+class Call:
+    """One call of a gradient function: what is differentiated, what is the batch.
+
+    ``flat``: every argument's ``(leaves, treedef)``; ``masks``: which leaves are the
+    batch; ``split``, ``replicated``: per differentiated leaf; ``rows``: this rank's
+    batch rows (-1 if unknown).
+    """
+
+    split: list
+    replicated: list
+    carry_option: Any
+    rows: int = -1
+    need_value: bool = False
+
+    def __init__(self, f, nums, has_aux, accumulate, mean, args, kwargs, where, flat, masks, carry):
+        self.f, self.nums, self.has_aux, self.args, self.kwargs = f, nums, has_aux, args, kwargs
+        self.accumulate, self.mean, self.where = accumulate, mean, where
+        self.flat, self.masks, self.carry = flat, masks, carry
+        self._aux: Any = None
+
+    def micro_batches(self):
+        """``(j, args, leaves of each argument)`` per micro-batch; a carried aux (see
+        :meth:`took`) goes into the next."""
+        if self.accumulate == 1:
+            yield 0, self.args, [leaves for leaves, _ in self.flat]
+            return
+        for j, leaves in enumerate(
+            _microbatch.split(self.flat, self.masks, self.accumulate, self.where)
+        ):
+            margs = [
+                _tree.tree_unflatten(part, treedef) for part, (_, treedef) in zip(leaves, self.flat)
+            ]
+            if self.carry is not None and j > 0:
+                margs[self.carry] = self._aux
+            yield j, tuple(margs), leaves
+
+    def took(self, j: int, aux: Any) -> None:
+        """Micro-batch ``j`` returned ``aux``."""
+        if j == 0 and self.has_aux:
+            _microbatch.after_micro_batch(
+                aux, self.carry_option, self.args, self.nums, self.masks, self.accumulate,
+                self.where,
+            )  # fmt: skip
+        self._aux = aux
+
+    def aux(self, auxes: list) -> Any:
+        return auxes[-1] if self.carry is not None else _microbatch.stack(auxes)
+
+    def combine(self, local: list, parts: list, leaves: list) -> list:
+        """Gradients that were not reduced: summed over micro-batches, or joined if split."""
+        k = self.accumulate
+        out = []
+        for i, t in enumerate(leaves):
+            if self.split[i] and k > 1:
+                out.append(_microbatch.concat(parts[i], t))
+            elif local[i] is None:
+                out.append(torch.zeros_like(t))
+            else:
+                g = local[i] / k if k > 1 else local[i]
+                # The parameter's strides, as .grad has them; inside an enclosing
+                # transform the tensors are wrapped, and its own call lays them out.
+                outer = torch._C._functorch.peek_interpreter_stack() is not None
+                out.append(g if outer else laid_out_like(g, t))
+        return out
+
+    def with_inputs(self, margs: tuple, inputs: list) -> list:
+        """The arguments of one micro-batch, with ``inputs`` as the differentiated leaves."""
+        call, start = list(margs), 0
+        for n in self.nums:
+            part, treedef = self.flat[n]
+            call[n] = _tree.tree_unflatten(inputs[start : start + len(part)], treedef)
+            start += len(part)
+        return call
+
+
+def split_value(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
+    """``f``'s output as (value, aux), with pardist's error for a non-scalar value."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"{where}: with has_aux=True, f must return (value, aux).")
+        value, aux = out
+    else:
+        value, aux = out, None
+    if not (isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()):
+        what = (
+            f"shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise ValueError(
+            f"{where}: f must return a floating-point scalar tensor to differentiate, got "
+            f"{what}. Reduce it first (e.g. loss.mean())."
+        )
+    return value, aux
+
+
+def _scatter_reducer(ctx: StepContext, like: list[torch.Tensor]) -> ScatterReducer:
+    key = ("scatter", signature(like), tuple(t.device for t in like), ctx.axis, ctx.bucket_bytes)
+    if key not in ctx.reducers:
+        ctx.reducers[key] = ScatterReducer(
+            like,
+            ctx.mesh.group(ctx.axis),
+            ctx.size,
+            ctx.mesh.index(ctx.axis),
+            bucket_bytes=ctx.bucket_bytes,
+            first_bucket_bytes=ctx.first_bucket_bytes,
+        )
+    return ctx.reducers[key]
+
+
+def _as_shard(local: torch.Tensor, like: torch.Tensor, ctx: StepContext) -> DTensor:
+    """This rank's flat shard of a mean gradient, as a DTensor that knows its layout."""
+    return DTensor.from_local(
+        local,
+        ctx.mesh.submesh(ctx.axis),
+        [Shard(0)],
+        shape=(like.numel(),),
+        stride=(1,),
+        run_check=False,
+    )
+
+
+def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
+    key = (
+        tuple((t.shape, t.stride(), t.dtype, t.device) for t in like),
+        ctx.axis,
+        ctx.compression,
+        ctx.overlap,
+        ctx.bucket_bytes,
+        ctx.first_bucket_bytes,
+    )
+    if key not in ctx.reducers:
+        ctx.reducers[key] = Reducer(
+            like,
+            ctx.mesh.groups(ctx.axis),
+            ctx.size,
+            comm_dtype=ctx.compression,
+            overlap=ctx.overlap,
+            bucket_bytes=ctx.bucket_bytes,
+            first_bucket_bytes=ctx.first_bucket_bytes,
+        )
+    return ctx.reducers[key]
+
+
+class _HandOver:
+    """What gradient hooks call: the reducer (which may be made after the forward)."""
+
+    reducer: Reducer | None = None
+    carry = 0  # slot 0 carries the per-rank table, slots 1.. the statistics to average
+    base = 0  # the first gradient's slot
+
+    def __init__(self, ctx: StepContext, rep: list, divisor: float | None, empty: bool):
+        self.ctx, self.rep, self.divisor, self.empty = ctx, rep, divisor, empty
+        self.table = _perrank.table(ctx.size, ctx.mesh.index(ctx.axis) if ctx.size > 1 else 0)
+
+    def use(self, scatter: bool, reduce: bool, pending: list, accumulate: int) -> None:
+        rep = self.rep
+        if scatter:  # a sharded optimizer takes these: reduce-scatter (ZeRO-2)
+            self.reducer, self.carry, self.base = _scatter_reducer(self.ctx, rep), 0, 0
+        else:
+            self.carry = 1 if rep else 0
+            table = [torch.empty(self.table.numel, dtype=rep[0].dtype, device=rep[0].device)]
+            table = table if rep else []
+            like = table + list(pending) + rep
+            self.reducer = _reducer(self.ctx, like) if reduce else Reducer(like, [], 1)
+            self.base = self.carry + len(pending)
+        self.reducer.begin(accumulate, self.divisor)
+
+    def __call__(self, index: int, grad: torch.Tensor) -> None:
+        if self.empty and self.divisor is not None:
+            grad = torch.zeros_like(grad)  # no rows, no weight (and not its nan gradient)
+        self.reducer.add(self.base + index, grad)
+
+
+def _rows_divisor(ctx: StepContext, rep: list, rows: int, exact: bool) -> float:
+    """This rank's divisor for a row-weighted mean: the global rows over its own.
+
+    The total is agreed by a collective on the first call (or every call where no
+    bucket carries the counts: ``exact``), then taken from the previous step's
+    carried counts; :func:`_correction` fixes the rare step where it changed.
+    """
+    key = ("rows total", signature(rep), ctx.axis)
+    if exact or key not in ctx.reducers:
+        ctx.reducers[key] = _perrank.total_rows(rows, ctx)
+    total = ctx.reducers[key]
+    return total / rows if rows > 0 else math.inf
+
+
+def _correction(ctx: StepContext, hand: _HandOver, counts: list[int] | None) -> float:
+    """The factor for gradients pre-scaled by a total that turned out to be wrong."""
+    if hand.divisor is None or not hand.carry or counts is None:
+        return 1.0
+    key = ("rows total", signature(hand.rep), ctx.axis)
+    assumed, actual = ctx.reducers[key], sum(c for c in counts if c > 0)
+    ctx.reducers[key] = actual
+    return assumed / actual if actual and actual != assumed else 1.0
+
+
+def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
+    """(global value, aux, flat gradients) of one call inside a step."""
+    k, replicated = call.accumulate, call.replicated
+    rep = [t for t, r in zip(leaves, replicated) if r]
+    rep_index = {i: j for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
+    reduce = ctx.size > 1 and bool(rep)
+    scatter = reduce and bool(ctx.scatter) and signature(rep) in ctx.scatter
+    divisor = None
+    if call.mean == "rows" and reduce:
+        divisor = _rows_divisor(ctx, rep, call.rows, exact=scatter)
+    # One pass with an all-reduce: the reducer is made after the forward, so that the
+    # statistics the forward left to average (batch norm with sync_bn=False) ride in
+    # the gradient buckets instead of costing a collective of their own.
+    late = reduce and not scatter and k == 1
+    hand, pending = _HandOver(ctx, rep, divisor, call.rows == 0), []
+    if rep and (reduce or k > 1) and not late:  # nothing replicated: no buckets
+        hand.use(scatter, reduce, [], k)
+    local: list = [None] * len(leaves)
+    parts: list = [[None] * k for _ in leaves]
+    values, auxes = [], []
+    for j, margs, mleaves in call.micro_batches():
+        if hand.reducer is not None and j == k - 1:
+            hand.reducer.last_micro_batch()
+        diff = [t for n in call.nums for t in mleaves[n]]
+        if any(isinstance(t, DTensor) for t in diff):  # FSDP shards: usable only by apply
+            inputs = _fsdp.grad_inputs(diff, margs, call.nums, call.where)
+        else:
+            inputs = [t.detach().requires_grad_() for t in diff]
+        _vma.enter_grad(inputs, leaves, replicated)
+        for i, x in enumerate(inputs):
+            if replicated[i] and (reduce or k > 1):
+                # The reducer takes each gradient the moment autograd produces it.
+                x.register_hook(functools.partial(hand, rep_index[i]))
+        mark = len(ctx.pending_means)
+        with torch.enable_grad():
+            out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
+        value, aux = split_value(out, call.has_aux, call.where)
+        if late:
+            pending = ctx.pending_means[mark:]
+            del ctx.pending_means[mark:]
+            hand.use(False, True, pending, 1)
+        values.append(value.detach())
+        if hand.carry and j == k - 1:  # before the last backward, which launches the buckets
+            mine = values[0] if k == 1 else torch.stack(values).mean()
+            hand.reducer.add(0, hand.table.encode(mine, call.rows, rep[0].dtype), divisor=1)
+            for m, t in enumerate(pending):
+                hand.reducer.add(1 + m, t, divisor=ctx.size)
+        if value.requires_grad:
+            got = torch.autograd.grad(value, inputs, _vma.seed(value), allow_unused=True)
+            for i, g in enumerate(got):
+                if g is None or (hand.reducer is not None and replicated[i]):
+                    continue
+                if call.split[i] and k > 1:
+                    parts[i][j] = g
+                else:
+                    local[i] = g if local[i] is None else local[i] + g
+        aux = _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        call.took(j, aux)
+        if call.carry is not None and j < k - 1:
+            # Superseded by the next micro-batch's: nothing to average at the end.
+            gone = {id(x) for x in _tree.tree_leaves(aux)}
+            ctx.pending_means[:] = [t for t in ctx.pending_means if id(t) not in gone]
+        auxes.append(aux)
+    reduced = hand.reducer.finish() if hand.reducer is not None else []
+    for m, t in enumerate(pending):
+        t.copy_(reduced[1 + m])  # the averaged statistics, into the tensors apply returned
+    value, counts = _value(call, ctx, hand, reduced, values)
+    if value is not values[0]:
+        _vma.mean_over_data(value, values[0])  # the loss averaged over the data axes
+    factor = _correction(ctx, hand, counts)
+    grads = call.combine(local, parts, leaves)
+    for i, t in enumerate(leaves):
+        if hand.reducer is not None and replicated[i]:
+            g = reduced[hand.base + rep_index[i]]
+            if factor != 1.0:
+                g = g * factor  # out of place: shared-memory buckets are every rank's
+            grads[i] = _as_shard(g, t, ctx) if scatter else g
+    return value, call.aux(auxes), _vma.typed_like(grads, leaves)
+
+
+def _value(call: Call, ctx: StepContext, hand: _HandOver, reduced: list, values: list):
+    """The global loss (reported if not finite) and every rank's row count (or None)."""
+    mine = values[0] if len(values) == 1 else torch.stack(values).mean()
+    if hand.carry:
+        everyone, counts = hand.table.decode(reduced[0])
+    elif ctx.size > 1 and call.need_value:
+        everyone, counts = _perrank.exchange(mine, call.rows, ctx)  # what a pmean costs
+    elif ctx.size > 1:
+        return mine, None  # pardist.grad with nothing carried: no value to give
+    else:  # one rank: its own loss
+        if _perrank.checked(mine, ctx) and not math.isfinite(mine.item()):
+            _perrank.report(mine.double().reshape(1), [call.rows], call.mean, ctx, call.where)
+        return mine, [call.rows]
+    check = _perrank.checked(everyone, ctx)
+    need = check or call.mean == "rows"
+    counts = counts.tolist() if need else None
+    if check:
+        _perrank.report(everyone, counts, call.mean, ctx, call.where)
+    return _perrank.global_value(everyone, counts, call.mean, mine.dtype), counts

@@ -1,0 +1,368 @@
+"""``pardist.grad`` and ``pardist.value_and_grad``: torch.func's, plus the gradient mean.
+
+Inside a data-parallel step the gradient with respect to a replicated input is
+averaged over the step's axis: the gradient of the global-batch loss. That is the
+transpose of replication (identity forward, mean backward), so it must happen
+*inside* the function being differentiated; applied to a step's inputs outside
+the transform, the backward would never run. In the common case (not nested in
+another torch.func transform) the backward of that identity hands each gradient
+to a bucketed :class:`~pardist.transport._reducer.Reducer` the moment autograd produces it
+(``_bucketed``), which is how torch DDP overlaps communication with the
+backward. Nested in another transform, each gradient is averaged by a
+differentiable collective.
+
+Outside a step both functions are exactly torch.func's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.func
+from torch.distributed.tensor import DTensor
+
+from pardist.collectives import _collectives, _vma
+from pardist.gradients import _bucketed, _microbatch, _perrank, _traced_grad
+from pardist.gradients._bucketed import Call
+from pardist.runtime import _tree
+from pardist.runtime._context import current_step
+from pardist.runtime._layout import laid_out_like
+
+__all__ = ["grad", "value_and_grad"]
+
+_MEANS = ("ranks", "rows")
+
+
+class _MeanGrad(torch.autograd.Function):
+    """Identity forward; the backward is a differentiable mean over the groups.
+
+    ``divisor`` (a row-weighted mean: total rows / this rank's rows) divides each
+    rank's cotangent before the sum instead. It is differentiated as the plain
+    mean, as every weighted reduction here is: the weights enter once, where
+    first-order gradients are reduced, not again in an outer transform.
+    """
+
+    @staticmethod
+    def forward(x, groups, size, divisor):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.groups, ctx.size, ctx.divisor = inputs[1], inputs[2], inputs[3]
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.divisor == math.inf:  # a rank without rows: no weight (nor its nan gradient)
+            g = torch.zeros_like(g)
+        plain = _collectives._Psum.apply(g, ctx.groups) / ctx.size
+        if ctx.divisor is not None:
+            weighted = _collectives._Psum.apply(g.detach() / ctx.divisor, ctx.groups)
+            plain = plain + (weighted - plain).detach()
+        return plain, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, size, divisor):
+        return _MeanGrad.apply(x, groups, size, divisor), in_dims[0]
+
+
+def _argnums_tuple(argnums: int | tuple[int, ...], nargs: int, where: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or any(not isinstance(n, int) or not -nargs <= n < nargs for n in nums):
+        raise ValueError(
+            f"{where}: argnums={argnums!r} does not name arguments of a call with "
+            f"{nargs} positional arguments."
+        )
+    return tuple(n % nargs for n in nums)
+
+
+def _check_options(accumulate: int, mean: str, where: str) -> None:
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"{where}: accumulate={accumulate!r}; give a number of micro-batches.")
+    if mean not in _MEANS:
+        raise ValueError(
+            f"{where}: mean={mean!r}; use 'ranks' (each rank's gradient counts equally, as "
+            "in DDP) or 'rows' (each row of the global batch counts equally)."
+        )
+
+
+def _rows(flat: list, masks: list, weighted: bool, where: str) -> int:
+    """This rank's number of batch rows (-1 where the batch leaves disagree)."""
+    sizes = _microbatch.rows(flat, masks)
+    if len(sizes) == 1:
+        return next(iter(sizes.values()))
+    if weighted:
+        shown = ", ".join(f"{path} has {n}" for path, n in sizes.items())
+        raise ValueError(
+            f"{where}: mean='rows' weighs each rank by its rows, but the batch leaves "
+            f"disagree on how many it has ({shown} along dim 0). Name the arguments that "
+            "hold the batch with batch_argnums=(...), or use mean='ranks'."
+        )
+    return -1
+
+
+def _in_transform(leaves: list[torch.Tensor]) -> bool:
+    """Inside another torch.func transform, or under an outer autograd graph."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+
+
+def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kwargs, where: str):
+    """(value, aux, grads like args[argnums]); inside a step the value is the global loss."""
+    nums = _argnums_tuple(argnums, len(args), where)
+    ctx = current_step()
+    k, mean = options["accumulate"], options["mean"]
+    weighted = mean == "rows" and ctx is not None and ctx.size > 1
+    flat = [_tree.tree_flatten(a) for a in args]
+    masks = _microbatch.batch_masks(
+        flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted
+    )
+    carry = _microbatch.check_carry(options["carry"], len(args), nums, masks, has_aux, where)
+    for n in nums:
+        if not all(isinstance(t, torch.Tensor) for t in flat[n][0]):
+            _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
+    leaves = [leaf for n in nums for leaf in flat[n][0]]
+    if not all(t.is_floating_point() or t.is_complex() for t in leaves):
+        for n in nums:
+            for (path, _), leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), flat[n][0]):
+                if not (leaf.is_floating_point() or leaf.is_complex()):
+                    raise TypeError(
+                        f"{where}: {path} has dtype {leaf.dtype}; only "
+                        "floating-point tensors can be differentiated."
+                    )
+    split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
+    # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
+    # reduce-scatters their gradients, so they take no part in the all-reduce.
+    replicated = [
+        ctx is not None
+        and id(t) not in ctx.varying
+        and _vma.invariant_over_data(t)
+        and not isinstance(t, DTensor)
+        for t in leaves
+    ]
+    if weighted and any(isinstance(t, DTensor) for t in leaves):
+        raise ValueError(
+            f"{where}: mean='rows' is not supported with pardist.fsdp parameters yet (their "
+            "gradients are reduce-scattered as the mean over ranks); use mean='ranks'."
+        )
+    if any(s and r for s, r in zip(split, replicated)):
+        raise ValueError(
+            f"{where}: batch_argnums names a differentiated input that is replicated over "
+            "the step's axis; only this rank's shard of the batch can be split."
+        )
+    call = Call(f, nums, has_aux, k, mean, args, kwargs, where, flat, masks, carry)
+    call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
+    call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
+    call.need_value = options["need_value"]
+    if ctx is not None and ctx.plan is not None:  # inside data_parallel(compile=True)
+        value, aux, grads = _traced_grad.compute(call, ctx, leaves)
+    elif ctx is None or _in_transform(leaves):
+        value, aux, grads = _compute_functorch(call, ctx, leaves)
+    else:
+        value, aux, grads = _bucketed.compute(call, ctx, leaves)
+    return value, aux, _regroup(grads, [flat[n] for n in nums])
+
+
+def _regroup(grads: list, flat: list) -> Any:
+    out, start = [], 0
+    for part, treedef in flat:
+        out.append(_tree.tree_unflatten(grads[start : start + len(part)], treedef))
+        start += len(part)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def _laid_out_like_args(grads: Any, args: tuple, nums) -> Any:
+    """torch.func's gradients with their arguments' strides (in the outermost call)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return grads  # wrapped tensors of an enclosing transform: its own call lays them out
+    like = args[nums] if isinstance(nums, int) else tuple(args[n] for n in nums)
+    return _tree.tree_map(laid_out_like, grads, like)
+
+
+def _compute_functorch(call: Call, ctx, leaves: list):
+    """torch.func.grad, with a differentiable mean on replicated inputs inside a step.
+
+    Here the value stays differentiable (an outer transform may differentiate
+    through it), so it is averaged by a differentiable collective.
+    """
+    groups = ctx.mesh.groups(ctx.axis) if ctx is not None and ctx.size > 1 else []
+    divisor, total = None, 0
+    if groups and call.mean == "rows":
+        total = _perrank.total_rows(call.rows, ctx)
+        divisor = total / call.rows if call.rows > 0 else math.inf
+    flags = iter(call.replicated)
+    marks = {n: _tree.tree_map(lambda _: next(flags), call.args[n]) for n in call.nums}
+    scale = [1]  # the backward's seed (the gradient is linear in it), set by each forward
+
+    def marked(*args):
+        args = list(args)
+        if groups:
+            for n in call.nums:
+                args[n] = _tree.tree_map(
+                    lambda x, r: (
+                        _vma.lifted_over_data(_MeanGrad.apply(x, groups, ctx.size, divisor), x)
+                        if r
+                        else x
+                    ),
+                    args[n],
+                    marks[n],
+                )
+        out = call.f(*args, **call.kwargs)
+        # pardist's error for a non-scalar; the seed, once the loss's type is known
+        scale[0] = _vma.seed_scale(_bucketed.split_value(out, call.has_aux, call.where)[0])
+        return out
+
+    nums = call.nums if len(call.nums) > 1 else call.nums[0]
+    values, auxes, grads = [], [], []
+    for j, margs, _ in call.micro_batches():
+        g, out = torch.func.grad_and_value(marked, argnums=nums, has_aux=call.has_aux)(*margs)
+        if scale[0] != 1:
+            g = _tree.tree_map(lambda t: t * scale[0], g)
+        value, aux = out if call.has_aux else (out, None)
+        call.took(j, aux)
+        values.append(value)
+        auxes.append(aux)
+        grads.append(_tree.tree_flatten(g)[0])
+    k = call.accumulate
+    local = [sum(column) for column in zip(*grads)] if k > 1 else grads[0]
+    parts = [list(column) for column in zip(*grads)]
+    value = torch.stack(values).mean() if k > 1 else values[0]
+    if groups and call.need_value and call.mean == "rows":
+        # The row-weighted value, differentiated as the mean over ranks: the marks on
+        # the replicated inputs (_MeanGrad) already weigh each rank by its rows, and an
+        # outer transform must not weigh them twice. An empty shard adds nothing.
+        mine = value if call.rows > 0 else value.new_zeros(())
+        plain = _collectives._Psum.apply(mine, groups) / ctx.size
+        weighted = _collectives._Psum.apply(mine.detach() * max(call.rows, 0), groups) / total
+        value = plain + (weighted - plain).detach()
+    elif groups and call.need_value:
+        value = _collectives._Psum.apply(value, groups) / ctx.size
+    return value, call.aux(auxes), _vma.typed_like(call.combine(local, parts, leaves), leaves)
+
+
+def grad(
+    f: Callable,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    *,
+    accumulate: int = 1,
+    batch_argnums: int | tuple[int, ...] | None = None,
+    carry: int | None = _microbatch.UNSET,
+    mean: str = "ranks",
+) -> Callable:
+    """The gradient of ``f`` with respect to ``args[argnums]``, as ``torch.func.grad``.
+
+    Inside a :func:`pardist.data_parallel` step, the gradient with respect to a
+    replicated input is its mean over the step's axis (computed in buckets while
+    the backward runs); inputs sharded over the axis keep their local gradient.
+    Outside a step it is exactly ``torch.func.grad``.
+
+    Args:
+        f: a function returning a scalar tensor (and aux, with ``has_aux``).
+        argnums: which positional argument(s) to differentiate.
+        has_aux: ``f`` returns ``(value, aux)``; the result is then ``(grads, aux)``.
+        accumulate: split the batch into this many micro-batches (along dim 0,
+            with einops) and run them one after another, reducing once: the
+            result equals one pass over the whole batch, in less memory.
+        batch_argnums: the argument(s) holding the batch, which ``accumulate``
+            splits. Default: inside a step, every tensor that holds this rank's
+            shard of the step's batch (by the step's ``in_specs``), in whichever
+            arguments of ``f`` it is; outside a step, the one argument that is not
+            differentiated.
+        carry: with ``accumulate`` and ``has_aux``, the argument whose next value
+            ``f`` returns as aux, as ``loss_fn(params, buffers, x, y)`` returns the
+            batch-norm buffers: ``carry=1`` hands micro-batch j's aux to micro-batch
+            j+1 as ``args[1]`` and returns the last one, as a plain loop over the
+            micro-batches would. ``carry=None``: aux is stacked along a new dim 0,
+            one entry per micro-batch. Unset, an aux shaped like an argument is an
+            error asking which is meant.
+        mean: inside a step, how ranks are weighed in the gradient mean (and the
+            loss): ``'ranks'``, each rank's gradient counts equally (DDP's
+            convention; the global-batch gradient when shards are equal);
+            ``'rows'``, each rank counts by its batch rows (dim 0 of its shard), so
+            shards of unequal size give the gradient of the mean loss over the
+            whole global batch, for a loss that is a mean over rows. With equal
+            shards both give the same bits. The row counts ride in the gradient
+            buckets; the first call agrees on the total once.
+
+    Raises:
+        FloatingPointError: under ``PARDIST_DEBUG=1``, when the loss is not finite
+            on some rank; the error names the rank(s). Without it that is a
+            :class:`pardist.NonFiniteLossWarning` (on CPU every step; on GPUs, whose
+            host it would stall, only under ``PARDIST_DEBUG=1``). Steps that
+            :func:`pardist.amp.dynamic_loss_scale` scales are skipped by it, not
+            reported.
+
+    Example:
+        >>> import pardist, torch
+        >>> def loss(w, x):
+        ...     return (x @ w).pow(2).mean()
+        >>> w, x = torch.ones(3), torch.arange(6.).reshape(2, 3)
+        >>> pardist.grad(loss)(w, x)
+        tensor([36., 51., 66.])
+        >>> pardist.grad(loss, accumulate=2)(w, x)
+        tensor([36., 51., 66.])
+    """
+    where = f"pardist.grad({getattr(f, '__name__', 'f')})"
+    _check_options(accumulate, mean, where)
+    options = dict(
+        accumulate=accumulate, batch_argnums=batch_argnums, carry=carry, mean=mean, need_value=False
+    )
+
+    @functools.wraps(f)
+    def grad_f(*args, **kwargs):
+        if current_step() is None and accumulate == 1:
+            out = torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
+            if has_aux:
+                return _laid_out_like_args(out[0], args, argnums), out[1]
+            return _laid_out_like_args(out, args, argnums)
+        _, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
+        return (grads, aux) if has_aux else grads
+
+    return grad_f
+
+
+def value_and_grad(
+    f: Callable,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: bool = False,
+    *,
+    accumulate: int = 1,
+    batch_argnums: int | tuple[int, ...] | None = None,
+    carry: int | None = _microbatch.UNSET,
+    mean: str = "ranks",
+) -> Callable:
+    """``(value, grads)`` (JAX's order), or ``((value, aux), grads)`` with ``has_aux``.
+
+    Inside a data-parallel step the gradients are those of the global objective,
+    the mean of ``f`` over the step's axis, and so is the returned value, in
+    ``f``'s own dtype (full precision, whatever the compression): every rank's
+    exact loss rides in the gradient buckets. ``aux`` stays per rank. Outside a
+    step this is ``torch.func.grad_and_value`` with its results swapped.
+    Arguments as for :func:`grad`.
+
+    Example:
+        >>> import pardist, torch
+        >>> value, g = pardist.value_and_grad(lambda w: (w * w).sum())(torch.ones(2))
+        >>> value, g
+        (tensor(2.), tensor([2., 2.]))
+    """
+    where = f"pardist.value_and_grad({getattr(f, '__name__', 'f')})"
+    _check_options(accumulate, mean, where)
+    options = dict(
+        accumulate=accumulate, batch_argnums=batch_argnums, carry=carry, mean=mean, need_value=True
+    )
+
+    @functools.wraps(f)
+    def value_and_grad_f(*args, **kwargs):
+        if current_step() is None and accumulate == 1:
+            grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
+            return out, _laid_out_like_args(grads, args, argnums)
+        value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
+        return ((value, aux) if has_aux else value), grads
+
+    return value_and_grad_f

@@ -1,0 +1,116 @@
+"""``pardist.grad`` inside a compiled step: torch.func's gradients, then a bucketed mean.
+
+The eager ``pardist.grad`` hands each gradient to the reducer from a hook while
+the backward runs. A compiled step has no hooks and no persistent buckets: the
+gradients come from ``torch.func.grad_and_value`` (which dynamo traces into the
+graph), and the mean over the axis is a flat all-reduce per bucket that the
+graph holds (``_traced.mean``), or a reduce-scatter for a sharded optimizer's
+parameters (ZeRO-2). The arithmetic is the eager reducer's: every contribution
+is divided by (ranks x micro-batches) before the sum, and every rank's loss rides
+in the first gradient bucket (one slot per rank, the others zero, so the sum
+delivers each exactly), so ``value_and_grad``'s global loss costs nothing extra
+and is the eager step's: the mean of the ranks' losses in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from pardist.compile import _traced
+from pardist.gradients import _bucketed
+from pardist.runtime import _tree
+from pardist.runtime._context import StepContext
+from pardist.transport._scatter import signature
+
+__all__ = ["compute"]
+
+
+def _loss_table(mine: torch.Tensor, ctx: StepContext, dtype: torch.dtype) -> torch.Tensor:
+    """Every rank's slot zero but this rank's, which holds its loss."""
+    info = ctx.plan.axes[ctx.plan.axis_key]
+    table = torch.zeros(ctx.size, dtype=dtype, device=mine.device)
+    table[info.index] = mine.detach().to(dtype)
+    return table
+
+
+def _global(table: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of the losses the summed table holds, as the eager step's."""
+    return table.detach().double().mean().to(mine.dtype)
+
+
+def compute(call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
+    """(value, aux, flat grads in ``leaves``' order); the value is global for value_and_grad."""
+    plan, k, replicated = ctx.plan, call.accumulate, call.replicated
+    reduce = ctx.size > 1 and any(replicated)
+    if call.mean == "rows" and reduce:
+        raise NotImplementedError(
+            f"{call.where}: mean='rows' has no traceable form in a compiled step yet; "
+            "use mean='ranks' (the same numbers when shards are equal) or compile=False"
+        )
+
+    def checked(*args):
+        out = call.f(*args, **call.kwargs)
+        _bucketed.split_value(out, call.has_aux, call.where)  # pardist's error for a non-scalar
+        return out
+
+    nums = call.nums if len(call.nums) > 1 else call.nums[0]
+    transform = torch.func.grad_and_value(checked, argnums=nums, has_aux=call.has_aux)
+    # Replicated gradients are divided before they are summed, as the eager buckets do.
+    scale = (ctx.size if reduce else 1) * k
+    values, auxes = [], []
+    local: list[Any] = [None] * len(leaves)  # summed as they come, divided by combine
+    summed: list[Any] = [None] * len(leaves)  # replicated: divided first
+    parts: list = [[None] * k for _ in leaves]
+    for j, margs, _ in call.micro_batches():
+        g, out = transform(*margs)
+        value, aux = out if call.has_aux else (out, None)
+        call.took(j, aux)
+        values.append(value)
+        auxes.append(aux)
+        for i, gi in enumerate(_tree.tree_flatten(g)[0]):
+            if replicated[i] and scale > 1:
+                gi = gi / scale
+                summed[i] = gi if summed[i] is None else summed[i] + gi
+            elif call.split[i] and k > 1:
+                parts[i][j] = gi
+            else:
+                local[i] = gi if local[i] is None else local[i] + gi
+    grads = call.combine(local, parts, leaves)
+    for i, s in enumerate(summed):
+        if s is not None:
+            grads[i] = s
+    aux = call.aux(auxes)
+    mine = torch.stack(values).mean() if k > 1 else values[0]
+    if not reduce:
+        return mine, aux, grads
+    rep = [i for i, r in enumerate(replicated) if r]
+    need = call.need_value
+    scatter = bool(ctx.scatter) and signature([leaves[i] for i in rep]) in ctx.scatter
+    # The loss table rides in the first bucket unless it would be compressed there.
+    alone = need and (scatter or plan.compression is not None)
+    value = mine
+    if alone:
+        table = _loss_table(mine, ctx, torch.float64)
+        value = _global(_traced.psum(table, plan.axis_key, plan), mine)  # not compressed
+    if scatter:
+        shards = _traced.mean_scatter([grads[i] for i in rep], plan)
+        for i, shard in zip(rep, shards):
+            grads[i] = DTensor.from_local(
+                shard,
+                plan.submesh,
+                [Shard(0)],
+                shape=(leaves[i].numel(),),
+                stride=(1,),
+                run_check=False,
+            )
+        return value, aux, grads
+    carried = [_loss_table(mine, ctx, grads[rep[0]].dtype)] if need and not alone else []
+    means = _traced.mean(carried + [grads[i] for i in rep], plan)
+    for i, m in zip(rep, means[len(carried) :]):
+        grads[i] = m
+    if carried:
+        value = _global(means[0], mine)
+    return value, aux, grads

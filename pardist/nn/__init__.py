@@ -1,0 +1,4 @@
+"""Models as pure functions: ``pardist.functional(module)`` and cross-replica batch norm.
+
+May import ``pardist.runtime``, ``pardist.collectives`` and ``pardist.sharding``.
+"""

@@ -1,0 +1,161 @@
+"""``functional(module)``: an ordinary nn.Module as a pure function of its tensors.
+
+Nothing is wrapped: pardist keeps a private skeleton of the module (its
+parameters on the meta device, so no memory is duplicated) and runs it with
+``torch.func.functional_call`` on the tensors you pass. Batch norm writes its
+running statistics in place; ``apply`` gives it fresh copies of the buffers and
+hands those back, so the caller's tensors are never mutated.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pardist.collectives import _collectives
+from pardist.nn import _batchnorm
+from pardist.runtime import _tree
+from pardist.runtime._context import current_step
+from pardist.sharding import _apply, _units
+
+__all__ = ["functional"]
+
+
+def _meta_skeleton(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose tensors live on the meta device (no data copied)."""
+    memo: dict[int, Any] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+class _Slots:
+    """Where each parameter and buffer of the skeleton lives, tied aliases included.
+
+    ``torch.func.functional_call`` does the same swap, with bookkeeping that costs
+    about a millisecond per call on a small model; the skeleton is pardist's own,
+    so the tensors are put straight into its slots (as torch's ``swap_tensor``
+    does) and the meta tensors put back afterwards.
+    """
+
+    def __init__(self, skeleton: nn.Module):
+        self.skeleton = skeleton
+        self.kinds: dict[str, set[str]] = {
+            "_parameters": {n for n, _ in skeleton.named_parameters()},
+            "_buffers": {n for n, _ in skeleton.named_buffers()},
+        }
+        self.places: list[tuple[dict, str, str, str, torch.Tensor]] = []
+        for kind, named in (
+            ("_parameters", skeleton.named_parameters(remove_duplicate=False)),
+            ("_buffers", skeleton.named_buffers(remove_duplicate=False)),
+        ):
+            first: dict[int, str] = {}
+            for name, t in named:
+                owner, _, attr = name.rpartition(".")
+                table = getattr(skeleton.get_submodule(owner), kind)
+                self.places.append((table, attr, kind, first.setdefault(id(t), name), t))
+
+    def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict) -> Any:
+        for kind, given in (("_parameters", params), ("_buffers", buffers)):
+            if given.keys() != self.kinds[kind]:
+                missing = sorted(self.kinds[kind] - given.keys())
+                extra = sorted(given.keys() - self.kinds[kind])
+                raise KeyError(
+                    f"pardist.functional: apply got {kind[1:]} that do not match the module's"
+                    + (f"; missing {missing}" if missing else "")
+                    + (f"; unexpected {extra}" if extra else "")
+                    + ". Pass the dicts that pardist.functional returned (or updates of them)."
+                )
+        sources = {"_parameters": params, "_buffers": buffers}
+        try:
+            for table, attr, kind, name, _ in self.places:
+                table[attr] = sources[kind][name]
+            out = self.skeleton(*inputs, **kwargs)
+            for table, attr, kind, name, _ in self.places:
+                if kind == "_buffers":  # a module may have replaced a buffer: keep its new one
+                    buffers[name] = table[attr]
+        finally:
+            for table, attr, _, _, meta in self.places:
+                table[attr] = meta
+        return out
+
+
+def functional(
+    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto"
+) -> tuple[Callable, dict, dict]:
+    """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
+
+    Args:
+        module: any ``nn.Module``; it is not changed, and later changes to it do
+            not affect ``apply``.
+        sync_bn: inside a data-parallel step, batch norm uses statistics over the
+            whole global batch (fastai's default ``sync_bn=True``), so N ranks
+            train exactly as one process on the concatenated batch. With
+            ``sync_bn=False`` each rank normalises with its own shard's
+            statistics (as DDP does without SyncBatchNorm); the running
+            statistics that ``apply`` returns are averaged over the axis by the
+            end of the step (in the gradient all-reduce, when ``pardist.grad``
+            runs), so that every replica keeps the same buffers.
+        fsdp_units: with :func:`pardist.fsdp` params, the modules whose parameters
+            are gathered together, just before the module runs: ``'auto'`` (about
+            eight units: transformer blocks, ResNet stages, MLP layers), module
+            paths (``['h.0', 'h.1']``), module classes (``{Block}``), a function
+            ``(path, module) -> bool``, or None (all gathered for the whole apply).
+            Parameters outside every unit, and tied ones, stay gathered for the
+            whole forward.
+
+    Returns:
+        ``(apply, params, buffers)``: detached copies of the parameters and
+        buffers, keyed by their ``named_parameters`` / ``named_buffers`` names,
+        and ``apply(params, buffers, *inputs, train=True, **kwargs) ->
+        (outputs, new_buffers)``, which mutates none of its arguments.
+
+    Example:
+        >>> import pardist, torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+        >>> apply, params, buffers = pardist.functional(net)
+        >>> out, new_buffers = apply(params, buffers, torch.randn(4, 3))
+        >>> out.shape, bool((buffers['1.running_mean'] == 0).all())
+        (torch.Size([4, 2]), True)
+    """
+    params = {name: p.detach().clone() for name, p in module.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    skeleton = _meta_skeleton(module)
+    where = f"pardist.functional({type(module).__name__})"
+    _batchnorm.prepare(skeleton, where)
+    slots = _Slots(skeleton)
+    mode = {"train": skeleton.training}
+    units = _units.check_policy(fsdp_units)
+    fsdp = _apply.Runner(skeleton, slots, units, f"{where}.apply")
+
+    def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
+        if mode["train"] != train:
+            skeleton.train(train)
+            mode["train"] = train
+        new_buffers = {name: b.clone() for name, b in buffers.items()}
+        # Batch statistics over the step's axis, for every batch norm (see _batchnorm).
+        with _batchnorm.synchronised(skeleton if sync_bn else None, train and sync_bn, where):
+            if _apply.has_shards(params):  # pardist.fsdp: each unit gathered as it runs
+                out = fsdp.call(params, new_buffers, inputs, kwargs)
+            else:
+                out = slots.call(params, new_buffers, inputs, kwargs)
+        ctx = current_step()
+        if train and not sync_bn and ctx is not None and ctx.size > 1:
+            stats = {k: v for k, v in new_buffers.items() if v.is_floating_point()}
+            if ctx.plan is not None:  # a compiled step: averaged here, in its graph
+                new_buffers.update(
+                    _collectives.pmean(_tree.tree_map(torch.detach, stats), ctx.axis)
+                )
+            else:
+                # Averaged over the axis by the end of the step, in place: with the
+                # gradients if pardist.grad runs, else on their own (see data_parallel).
+                ctx.pending_means.extend(stats.values())
+        return out, new_buffers
+
+    apply.__doc__ = f"Pure forward of {type(module).__name__}: (outputs, new_buffers)."
+    return apply, params, buffers

@@ -1,0 +1,124 @@
+"""The step context: what a running data-parallel step tells the code inside it.
+
+It sits low in the package so that ``pardist.grad``, the optimizers and batch norm
+can read the active step (its mesh, axis, donated inputs, reducers) without
+importing ``data_parallel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from pardist.runtime._mesh import Mesh
+
+__all__ = [
+    "StepContext",
+    "compiled_plan",
+    "current_step",
+    "debug_enabled",
+    "donating",
+    "entered",
+    "is_donated",
+    "shard_group",
+    "sharded_over",
+]
+
+
+@dataclasses.dataclass
+class StepContext:
+    """One call of a data-parallel step, as seen from inside it."""
+
+    name: str  # "pardist.data_parallel(train_step)", for error messages
+    mesh: Mesh
+    axis: tuple[str, ...]
+    size: int  # product of the axis sizes
+    varying: set[int]  # ids of input leaves sharded over the step's axis
+    donated: set[int]  # ids of input leaves the caller donated
+    reducers: dict[Any, Any]  # persistent across calls: reducers by key, agreed row totals
+    scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
+    # Tensors made in the step that must end it averaged over the axis (batch-norm
+    # statistics with sync_bn=False): pardist.grad carries them with the gradients.
+    pending_means: list = dataclasses.field(default_factory=list)
+    compression: torch.dtype | None = None
+    overlap: bool = False
+    bucket_bytes: int = 25 * 2**20
+    first_bucket_bytes: int = 2**20
+    inputs: set[int] = dataclasses.field(default_factory=set)  # ids of every input leaf
+    # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
+    # pardist.grad does not report them.
+    loss_scaled: bool = False
+    # Inside data_parallel(step, compile=True): the step's static facts (compile._step.Plan);
+    # collectives and pardist.grad then take their traceable paths. None when eager.
+    plan: Any = None
+
+
+_active: list[StepContext] = []
+
+
+def current_step() -> StepContext | None:
+    """The innermost running data-parallel step, or None outside of one."""
+    return _active[-1] if _active else None
+
+
+def compiled_plan() -> Any:
+    """The plan of the innermost running step if it is a compiled one, else None."""
+    return _active[-1].plan if _active else None
+
+
+@contextlib.contextmanager
+def entered(ctx: StepContext) -> Iterator[StepContext]:
+    _active.append(ctx)
+    try:
+        with ctx.mesh:
+            yield ctx
+    finally:
+        _active.pop()
+
+
+def is_donated(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor was donated to the running step (so may be updated in place)."""
+    ctx = current_step()
+    return bool(ctx and tensors) and all(id(t) in ctx.donated for t in tensors)
+
+
+@contextlib.contextmanager
+def donating(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Treat ``tensors`` (buffers pardist owns) as donated inside the running step."""
+    ctx = current_step()
+    added = set() if ctx is None else {id(t) for t in tensors} - ctx.donated
+    if ctx is not None:
+        ctx.donated |= added
+    try:
+        yield
+    finally:
+        if ctx is not None:
+            ctx.donated -= added
+
+
+_shard_groups: list = []
+
+
+@contextlib.contextmanager
+def sharded_over(group) -> Iterator[None]:
+    """Inside: optimizer leaves are this rank's shards of tensors split over ``group``."""
+    _shard_groups.append(group)
+    try:
+        yield
+    finally:
+        _shard_groups.pop()
+
+
+def shard_group():
+    """The group that the optimizer's current leaves are sharded over, or None."""
+    return _shard_groups[-1] if _shard_groups else None
+
+
+def debug_enabled() -> bool:
+    """``PARDIST_DEBUG=1``: check replicated values on every call, not only the first."""
+    return os.environ.get("PARDIST_DEBUG", "") not in ("", "0")

@@ -1,0 +1,288 @@
+"""The process group: starting it, tearing it down, and who this process is.
+
+Everything here reads the torchrun environment (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). A plain ``python`` process has
+none of it and counts as world size 1, so one script runs under both launchers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import gc
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from pardist.runtime import _faults
+from pardist.runtime._faults import DEFAULT_TIMEOUT_S
+
+__all__ = [
+    "device",
+    "start",
+    "is_initialized",
+    "is_main",
+    "local_rank",
+    "require_init",
+    "rank",
+    "rank0_first",
+    "shutdown",
+    "world_size",
+]
+
+_owns_group = False
+_shutdown_hooks: list[Callable[[], None]] = []
+_atexit_registered = False
+_debug_level_before = None  # torch's debug level before PARDIST_DEBUG=1 raised it
+
+
+class GroupRef:
+    """A process group held by name, so that holding one never keeps the group alive.
+
+    A gloo group that outlives ``destroy_process_group`` (because some object still
+    refers to it) is torn down during interpreter exit, where its worker threads can
+    abort the process ("terminate called without an active exception"). pardist's
+    long-lived objects (gradient buckets, meshes) therefore keep names, not groups.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.name = group.group_name
+
+    def get(self) -> dist.ProcessGroup:
+        return dist.distributed_c10d._resolve_process_group(self.name)
+
+
+def on_shutdown(hook: Callable[[], None], *, first: bool = False) -> None:
+    """Run ``hook`` at :func:`shutdown`, before the group goes: to drop cached references."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.insert(0 if first else len(_shutdown_hooks), hook)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def rank() -> int:
+    """This process's global rank (0 in a plain ``python`` process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _env_int("RANK", 0)
+
+
+def world_size() -> int:
+    """How many processes take part (1 in a plain ``python`` process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _env_int("WORLD_SIZE", 1)
+
+
+def local_rank() -> int:
+    """This process's rank on its own machine, as torchrun sets ``LOCAL_RANK``."""
+    return _env_int("LOCAL_RANK", 0)
+
+
+def is_main() -> bool:
+    """True on global rank 0, the process that should print and write files."""
+    return rank() == 0
+
+
+def _accelerator_type() -> str | None:
+    """The accelerator's device type ('cuda', 'xpu', ...) if one is usable, else None."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.current_accelerator().type
+    if torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def device() -> torch.device:
+    """The device this process computes on: its local accelerator, else the CPU.
+
+    Example:
+        >>> import pardist
+        >>> pardist.device().type in ("cpu", "cuda", "xpu", "mps")
+        True
+    """
+    kind = _accelerator_type()
+    if kind is None or os.environ.get("PARDIST_DEVICE") == "cpu":
+        return torch.device("cpu")
+    count = getattr(torch, kind).device_count()
+    return torch.device(kind, local_rank() % max(count, 1))
+
+
+def _default_backend(dev: torch.device) -> str:
+    if dev.type == "cpu":
+        return "gloo"
+    # The accelerator's own backend for its tensors, gloo beside it so that
+    # CPU tensors (object gathers, checkpoint metadata) can be reduced too.
+    get = getattr(dist, "get_default_backend_for_device", None)
+    accel = get(dev) if get is not None else ("nccl" if dev.type == "cuda" else "gloo")
+    return f"cpu:gloo,{dev.type}:{accel}"
+
+
+def _timeout(timeout: float | datetime.timedelta | None) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout
+    if timeout is None:
+        timeout = float(os.environ.get("PARDIST_TIMEOUT", DEFAULT_TIMEOUT_S))
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def is_initialized() -> bool:
+    """Whether a process group is running (started by ``init`` or by the user)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def start(backend: str | None = None, *, timeout: float | datetime.timedelta | None = None):
+    """Start the process group from the torchrun environment (see :func:`pardist.init`)."""
+    global _owns_group, _debug_level_before
+    if not is_initialized():
+        # torch 2.13: torch.distributed.checkpoint imported *after* the group starts
+        # keeps the group alive past destroy_process_group; its gloo threads are then
+        # torn down at interpreter exit, which sometimes aborts the process
+        # ("terminate called without an active exception"). Imported first, it does not.
+        import torch.distributed.checkpoint  # noqa: F401
+
+        dev = device()
+        if dev.type != "cpu":
+            getattr(torch, dev.type).set_device(dev)
+        chosen = backend or _default_backend(dev)
+        kwargs = dict(backend=chosen, timeout=_timeout(timeout))
+        if _debug() and dist.get_debug_level() == dist.DebugLevel.OFF:
+            # torch's own check that every rank's collective has the same shapes
+            # (shared memory checks always): gloo would abort, NCCL could hang.
+            _debug_level_before = dist.get_debug_level()
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
+        _faults.set_timeout(kwargs["timeout"].total_seconds())
+        _faults.record_uncaught()
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            store = _attempt_store(kwargs["timeout"])
+            if store is not None:
+                rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                dist.init_process_group(store=store, rank=rank_, world_size=world, **kwargs)
+            else:
+                dist.init_process_group(**kwargs)
+        else:
+            # A plain python process: a group of one over an in-memory store, so
+            # meshes, checkpoints and collectives behave as under torchrun.
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        _owns_group = True
+        global _atexit_registered
+        if not _atexit_registered:  # torn down while the interpreter is whole, not during exit
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def _debug() -> bool:
+    return os.environ.get("PARDIST_DEBUG", "") not in ("", "0")
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """Under torchrun's agent store: the store seen through a prefix for this restart.
+
+    torchrun (2.13) keeps its rendezvous store across ``--max-restarts``, and the
+    restarted group then finds the dead attempt's gloo keys and fails (``Gloo
+    connectFullMesh failed ... Connection refused``) or hangs. A prefix per attempt
+    gives every restart fresh keys. Elsewhere None: torch's env:// does the rest.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"pardist/attempt_{attempt}/", store)
+
+
+def shutdown() -> None:
+    """Tear down the process group started by :func:`init` (a no-op otherwise)."""
+    global _owns_group, _debug_level_before
+    for hook in _shutdown_hooks:
+        hook()
+    _faults.forget_labels()
+    if _owns_group and is_initialized():
+        dist.destroy_process_group()
+        if _debug_level_before is not None:
+            dist.set_debug_level(_debug_level_before)
+        if _backend_threads():
+            # Garbage still holds the group: a torch DDP model sits in a reference cycle
+            # until the collector runs, and its reducer keeps the group (and its threads)
+            # alive. Left to the collection at interpreter exit, its threads are joined
+            # while the interpreter is half gone: the process hangs or aborts.
+            gc.collect()
+    _owns_group, _debug_level_before = False, None
+
+
+def _backend_threads() -> int:
+    """This process's gloo / NCCL threads (all threads, where /proc cannot tell them apart)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read()
+        except OSError:
+            continue
+        count += "gloo" in name or "nccl" in name
+    return count
+
+
+def require_init(where: str) -> None:
+    """Raise a clear error if the process group has not been started."""
+    if not is_initialized():
+        raise RuntimeError(
+            f"pardist.{where}: the process group is not started. Call pardist.init() "
+            "first; it works under torchrun and in a plain python process (world size 1)."
+        )
+
+
+def rank0_first(fn, *args, **kwargs):
+    """Run ``fn(*args, **kwargs)`` on rank 0 first, then on the other ranks; return its result.
+
+    fastai's semantics: the usual use is a download or an extraction that must
+    happen once (rank 0) before the others read the result. If ``fn`` raises on
+    rank 0, the other ranks raise too instead of waiting for it forever.
+
+    Example:
+        >>> import pardist
+        >>> _ = pardist.init()
+        >>> pardist.rank0_first(lambda: 'data/')
+        'data/'
+        >>> pardist.shutdown()
+    """
+    if not is_initialized():
+        if world_size() > 1:
+            require_init("rank0_first")
+        return fn(*args, **kwargs)
+    if dist.get_world_size() == 1:
+        return fn(*args, **kwargs)
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:
+            outcome[0] = f"{type(exc).__name__}: {exc}"
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+        dist.broadcast_object_list(outcome, src=0)
+        return result
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RuntimeError(
+            f"pardist.rank0_first: rank 0 failed running "
+            f"{getattr(fn, '__name__', 'fn')}, so this rank did not: {outcome[0]}"
+        )
+    return fn(*args, **kwargs)

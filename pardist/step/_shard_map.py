@@ -1,0 +1,387 @@
+"""``shard_map``: a pure function run on every rank's local blocks, as in JAX.
+
+Every rank calls the mapped function with its own *local block* of each input
+(SPMD: nothing is sliced for you, as with ``torchrun``); ``in_specs`` say how
+those blocks make up the global values. ``P(None, 'model')`` says dim 1 is
+split over axis 'model' (each rank of 'model' holds one block); an axis a spec
+does not name is one the value is replicated over, and it must be the same on
+every rank of it. ``out_specs`` say the same of the results.
+
+Inside, pardist tracks which mesh axes each value varies over (``_vma``,
+``_tracker``), so collectives get JAX's transposes: ``psum`` of a value varying
+over 'model' is invariant over it, and its backward is the identity. Steps whose
+only axes of size > 1 are data axes (plain data parallelism) track nothing and
+pay nothing: there every value may count as varying, with the classic rules.
+
+``pardist.data_parallel`` is this same step with its ``axis`` declared as data
+axes, over which ``pardist.grad`` averages replicated inputs' gradients in
+buckets (see ``_data_parallel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from pardist.collectives import _collectives, _vma
+from pardist.compile import _step
+from pardist.optim._sharded import ShardedState
+from pardist.runtime import _mesh, _tree
+from pardist.runtime._context import StepContext, debug_enabled, entered
+from pardist.step import _replication, _specs
+from pardist.step._specs import P
+from pardist.step._tracker import Tracker
+
+__all__ = ["Step", "shard_map"]
+
+
+class Step:
+    """The function ``shard_map`` returns; holds what persists between calls.
+
+    ``data_parallel`` subclasses it: data axes, default specs, its messages.
+    """
+
+    kind = "shard_map"
+
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        mesh: _mesh.Mesh | None,
+        in_specs: Any,
+        out_specs: Any,
+        donate_argnums=(),
+        axis: str | tuple[str, ...] = (),
+        compression: torch.dtype | None = None,
+        overlap: bool = True,
+        bucket_mb: float = 25.0,
+        compile: bool | dict = False,  # noqa: A002 - torch.compile's word
+    ):
+        functools.update_wrapper(self, fn)
+        self.fn, self.axis, self.mesh = fn, axis, mesh
+        self.in_specs, self.out_specs = in_specs, out_specs
+        self.donate_argnums = (
+            (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        )
+        self.compression, self.overlap, self.bucket_mb = compression, overlap, bucket_mb
+        self.reducers: dict = {}
+        self.calls = 0
+        self._specs_cache: dict = {}
+        self._consumed: dict[int, weakref.ref] = {}  # donated leaves that are now invalid
+        self.compiled = _step.compiled_step(compile, self.where)
+
+    @property
+    def where(self) -> str:
+        return f"pardist.{self.kind}({getattr(self.fn, '__name__', 'fn')})"
+
+    # What data_parallel changes.
+    def data_axes(self, mesh: _mesh.Mesh) -> tuple[str, ...]:
+        """The axes ``pardist.grad`` averages replicated inputs' gradients over: none here."""
+        return ()
+
+    def full_specs(self, args: tuple, axes: tuple[str, ...]) -> tuple:
+        """One spec tree per positional argument."""
+        specs = self.in_specs
+        if isinstance(specs, P) or specs is None:
+            return (specs,) * len(args)  # one spec for every argument: a prefix of args
+        if not isinstance(specs, (tuple, list)) or len(specs) != len(args):
+            raise ValueError(
+                f"{self.where}: in_specs must be a tuple with one spec tree per positional "
+                f"argument; got {_count(specs)} for {len(args)} arguments."
+            )
+        return tuple(specs)
+
+    def misfit(self, error: Exception, path: str, leaf: Any, nargs: int, axes) -> Exception:
+        """The error for an input its in_spec does not fit."""
+        return error
+
+    def check_batches(self, named: list, specs: list, sharded: list, mesh, axes) -> None:
+        """Checks of the data shards on a checked call (data_parallel's: not all the same)."""
+
+    def replicated_input_error(self, problem: str, over: tuple, axes: tuple, nargs: int) -> str:
+        return (
+            f"{self.where}: inputs whose in_specs split no dim over {over} are replicated over "
+            f"them and must be identical on every rank of them, but {problem}. Build them the "
+            "same way on every rank (seed first: pardist.seed_everything(0)), copy one rank's "
+            f"with pardist.broadcast(tree, {over!r}), or, if an input is a per-rank block, name "
+            "the axis in its in_spec."
+        )
+
+    def replicated_output_error(self, problem: str, over: tuple, axes: tuple) -> str:
+        return (
+            f"{self.where}: {problem}, but out_specs replicate it over {over}. Reduce it "
+            f"with pardist.psum or pardist.pmean over {over!r}, gather it with "
+            "pardist.all_gather(x, axis, invariant=True), or name the axis in its out_spec "
+            "(P(axis) splits dim 0 over it)."
+        )
+
+    # The step itself.
+    def _leaf_specs(self, args: tuple, treedef, mesh: _mesh.Mesh, axes: tuple[str, ...]):
+        """Per leaf: its spec and axes; which are data shards, donated; sharded-state ids."""
+        key = (treedef, id(mesh))
+        if key not in self._specs_cache:
+            flat = _specs.flat_specs(
+                self.full_specs(args, axes),
+                args,
+                where=self.where,
+                specs_name="in_specs",
+                tree_name="args",
+            )
+            for (path, leaf), spec in zip(_tree.leaves_with_paths(args, "args"), flat):
+                try:
+                    _specs.check_fits(
+                        spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
+                    )
+                except (TypeError, ValueError) as e:
+                    raise self.misfit(e, path, leaf, len(args), axes) from None
+            # A sharded optimizer state over the data axes: its parameters' gradients are
+            # reduce-scattered (its signature is static, part of the tree structure).
+            nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
+            scatter = frozenset(
+                n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
+            )
+            sharded = [i for i, s in enumerate(flat) if set(s.axes) & set(axes)]
+            children = (
+                treedef.children() if hasattr(treedef, "children") else treedef.children_specs
+            )  # torch < 2.9
+            counts = [child.num_leaves for child in children]
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            donated = [
+                j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])
+            ]
+            self._specs_cache[key] = flat, sharded, donated, scatter
+        return self._specs_cache[key]
+
+    def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # torch.compile(data_parallel(step))
+            return _step.outer_compile(self, args, kwargs)
+        short = self.where.removeprefix("pardist.")
+        mesh = self.mesh or _mesh.current_mesh(short)
+        axes = self.data_axes(mesh)
+        leaves, treedef = _tree.tree_flatten(args)
+        specs, sharded, donated_idx, scatter = self._leaf_specs(args, treedef, mesh, axes)
+        if self._consumed:
+            self._check_not_consumed(leaves, args)
+        check = self.calls == 0 or debug_enabled()
+        if check:
+            self._check_inputs(args, specs, mesh, axes)
+            self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
+        donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
+        out, typed_problem = _step.EAGER, None
+        if self.compiled is not None:
+            out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
+        if out is _step.EAGER:
+            out, typed_problem = self._run_eager(
+                args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter
+            )
+        self.calls += 1
+        if check:
+            self._check_outputs(out, mesh, axes, typed_problem)
+        elif typed_problem:
+            raise ValueError(typed_problem)
+        if donated:
+            kept = {id(x) for x in _tree.tree_leaves(out)}
+            for x in leaves:
+                if id(x) in donated and id(x) not in kept:
+                    self._consumed[id(x)] = weakref.ref(x)
+        return out
+
+    def _run_eager(self, args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter):
+        """(the step's output, the static check's problem or None), run eagerly."""
+        ctx = StepContext(
+            name=self.where,
+            mesh=mesh,
+            axis=axes,
+            size=mesh.size(axes) if axes else 1,
+            varying={id(leaves[i]) for i in sharded}
+            | {id(x) for x in leaves if isinstance(x, DTensor)},
+            inputs={id(x) for x in leaves},
+            scatter=scatter,
+            donated=donated,
+            reducers=self.reducers,
+            compression=self.compression,
+            overlap=self.overlap,
+            bucket_bytes=int(self.bucket_mb * 2**20),
+        )
+        # Track varying axes only where an axis beyond the data axes can make values differ.
+        live = {a for a, n in mesh.shape.items() if n > 1}
+        state = _vma.Tracking(mesh, axes) if live - set(axes) else None
+        typed_problem = None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(entered(ctx))
+            stack.enter_context(_vma.tracking(state))
+            if state is not None:
+                for leaf, spec in zip(leaves, specs):
+                    if isinstance(leaf, torch.Tensor):
+                        own = _specs.specs(leaf).axes if isinstance(leaf, DTensor) else spec.axes
+                        state.set(leaf, frozenset(own))
+                stack.enter_context(Tracker(state, self.where))
+            out = self.fn(*args, **kwargs)
+            if ctx.pending_means:  # statistics no gradient computation carried
+                means = _collectives.pmean(ctx.pending_means, axes)
+                with _vma.paused():
+                    for t, mean in zip(ctx.pending_means, means):
+                        t.copy_(mean)
+            if state is not None:
+                typed_problem = self._typed_outputs(out, state, axes)
+        return out, typed_problem
+
+    def _check_not_consumed(self, leaves: list, args: tuple) -> None:
+        def consumed(leaf: Any) -> bool:
+            ref = self._consumed.get(id(leaf))
+            return ref is not None and ref() is leaf
+
+        if not any(consumed(leaf) for leaf in leaves):
+            self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
+            return
+        for path, leaf in _tree.leaves_with_paths(args, "args"):
+            if consumed(leaf):
+                raise ValueError(
+                    f"{self.where}: {path} was donated to an earlier call "
+                    f"(donate_argnums={self.donate_argnums}) and may have been overwritten. "
+                    "Pass the value that call returned instead (params, opt_state = "
+                    "step(params, opt_state, batch)), or drop it from donate_argnums."
+                )
+
+    def _check_inputs(self, args: tuple, specs: list[P], mesh: _mesh.Mesh, axes) -> None:
+        """Every rank passes the same specs and block shapes; replicated inputs agree."""
+        named = _tree.leaves_with_paths(args, "args")
+        problem = _replication.layout_mismatch(named, specs, mesh, axes)
+        if problem:
+            raise ValueError(
+                f"{self.where}: the ranks disagree on the layout of their inputs: {problem}. "
+                "Every rank must call the step with the same in_specs, and a tensor split "
+                "over a non-data axis must have the same block shape on every rank (exact "
+                "blocks: a dim split over an axis of size n is 1/n of the global dim; "
+                "pardist.local_block cuts them)."
+            )
+        for over, group in _replication.replicated_groups(named, specs, mesh):
+            problem = _replication.mismatch(group, mesh.group(over))
+            if problem:
+                raise ValueError(self.replicated_input_error(problem, over, axes, len(args)))
+
+    def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes, typed_problem) -> None:
+        """out_specs fit the outputs; outputs are not typed, nor found, varying where replicated."""
+        named = _tree.leaves_with_paths(out, "output")
+        flat = self._out_specs(out)
+        for (path, leaf), spec in zip(named, flat):
+            _specs.check_fits(
+                spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
+            )
+        if typed_problem:
+            raise ValueError(typed_problem)
+        for over, group in _replication.replicated_groups(named, flat, mesh):
+            problem = _replication.mismatch(group, mesh.group(over))
+            if problem:
+                raise ValueError(self.replicated_output_error(problem, over, axes))
+
+    def _out_specs(self, out: Any) -> list[P]:
+        """One spec per output leaf (cached by the output's structure)."""
+        leaves, treedef = _tree.tree_flatten(out)
+        key = ("out", treedef)
+        if key not in self._specs_cache:
+            self._specs_cache[key] = (
+                [P()] * len(leaves)
+                if self.out_specs is None
+                else _specs.flat_specs(
+                    self.out_specs,
+                    out,
+                    where=self.where,
+                    specs_name="out_specs",
+                    tree_name="output",
+                )
+            )
+        return self._specs_cache[key]
+
+    def _typed_outputs(self, out: Any, state: _vma.Tracking, axes) -> str | None:
+        """JAX's static check: an output varying over a (non-data) axis its out_spec replicates.
+
+        Over data axes the first call's comparison of values decides, as for data_parallel.
+        """
+        leaves = _tree.tree_leaves(out)
+        for i, (leaf, spec) in enumerate(zip(leaves, self._out_specs(out))):
+            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
+                extra = state.get(leaf) - set(spec.axes) - state.data
+                if extra:
+                    path = _tree.leaves_with_paths(out, "output")[i][0]
+                    over = state.ordered(extra)
+                    return self.replicated_output_error(
+                        f"{path} varies over {over} (it is computed from values split over "
+                        f"{'it' if len(over) == 1 else 'them'})",
+                        over,
+                        axes,
+                    )
+        return None
+
+
+def _count(specs: Any) -> str:
+    return str(len(specs)) if isinstance(specs, (tuple, list)) else f"a {type(specs).__name__}"
+
+
+def shard_map(
+    f: Callable | None = None,
+    /,
+    *,
+    mesh: _mesh.Mesh | None = None,
+    in_specs: Any,
+    out_specs: Any,
+    donate_argnums: int | tuple[int, ...] = (),
+):
+    """Run ``f`` on every rank's local blocks; ``in_specs`` and ``out_specs`` say how they split.
+
+    JAX's ``shard_map`` in SPMD form: each rank calls the result with its own
+    block of every input (``P(None, 'model')``: this rank's columns of a matrix
+    split over 'model'; ``P()``: the whole value, the same on every rank of
+    every axis). Inside, collectives over mesh axes (:func:`pardist.psum`,
+    :func:`pardist.all_gather`, :func:`pardist.psum_scatter`, ...) have JAX's
+    transposes, because pardist tracks which axes each value varies over.
+
+    :func:`pardist.grad` inside a ``shard_map`` is JAX's ``grad`` inside one:
+    the gradient of the loss as seen on this rank, where a replicated input's
+    gradient sums the contributions of every rank it is used on; a loss that
+    varies over an axis counts as its sum over that axis, so ``psum`` or
+    ``pmean`` it first to say which. For batches split over an axis whose
+    gradients should be averaged in buckets, use :func:`pardist.data_parallel`,
+    which is ``shard_map`` with that axis declared as its data axis.
+
+    Args:
+        f: the function. Also usable as a decorator: ``@shard_map(in_specs=..., out_specs=...)``.
+        mesh: the mesh; default: the innermost ``with mesh:``, else ``init``'s.
+        in_specs: one spec tree per positional argument (each a prefix of its
+            argument), or one ``P`` for all of them. Keyword arguments are replicated.
+        out_specs: a spec tree (prefix) for the output. An output replicated
+            over an axis must not vary over it: checked from the tracked axes on
+            every call, and by comparing values on the first call (and every
+            call under ``PARDIST_DEBUG=1``).
+        donate_argnums: arguments the caller gives up, as for :func:`pardist.data_parallel`.
+
+    Returns:
+        A function with ``f``'s signature.
+
+    Example:
+        >>> import pardist, torch
+        >>> from pardist import P
+        >>> _ = pardist.init()
+        >>> @pardist.shard_map(in_specs=(P(), P('gpu')), out_specs=P())
+        ... def total(w, x):
+        ...     return pardist.psum((x * w).sum(), 'gpu')
+        >>> total(torch.tensor(2.), torch.ones(3))
+        tensor(6.)
+        >>> pardist.shutdown()
+    """
+    options = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, donate_argnums=donate_argnums)
+    if f is None:
+        return lambda f: shard_map(f, **options)
+    if not callable(f):
+        raise TypeError(
+            f"pardist.shard_map: the first argument is the function to map, got a "
+            f"{type(f).__name__}; write shard_map(f, in_specs=..., out_specs=...) or use it as "
+            "a decorator: @shard_map(in_specs=..., out_specs=...)."
+        )
+    return Step(f, **options)

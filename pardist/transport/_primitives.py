@@ -1,0 +1,305 @@
+"""Collective primitives, each an autograd Function whose backward is its transpose.
+
+Two families, as in JAX's ``shard_map`` (docs: "efficient transposition of
+replication-inducing collectives"):
+
+- ``psum`` of a value varying over an axis gives a value *invariant* over it;
+  its transpose is ``pvary``, the identity on an (invariant) cotangent. ``pvary``
+  (identity forward) lifts an invariant value to a varying one; its transpose
+  is ``psum``. These two are used where pardist tracks which axes each value
+  varies over (``pardist._vma``).
+- Where nothing is tracked every value counts as varying, and ``_Psum``'s
+  transpose is ``psum`` itself.
+
+``all_gather`` and ``psum_scatter`` transpose into each other, ``all_to_all``
+into itself with its dims swapped, ``all_gather_invariant`` into ``pscatter``
+(this rank's block of an invariant value). All have ``setup_context`` and vmap
+rules, so they work under ``torch.func.grad`` and ``vmap``; torch's own
+``torch.distributed.nn.functional`` collectives lack ``setup_context``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pardist.runtime import _faults
+from pardist.transport import _shm
+
+__all__ = [
+    "AllGather",
+    "AllGatherInvariant",
+    "AllToAll",
+    "Pmax",
+    "Psum",
+    "PsumInvariant",
+    "PsumScatter",
+    "Pvary",
+    "reduce",
+]
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _shared(x: torch.Tensor, group):
+    return _shm.for_collectives(group) if x.device.type == "cpu" else None
+
+
+def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
+    """A reduced copy of ``x``: via shared memory for CPU ranks on one host, else the backend."""
+    y = x.detach().clone(memory_format=torch.contiguous_format)
+    for group in groups:
+        small = y.device.type == "cpu" and y.numel() * y.element_size() <= _shm.SMALL_BYTES
+        shm = _shm.for_small_sums(group) if small else None
+        if shm is not None:  # one barrier, not three (batch-norm statistics, losses)
+            y = shm.small_all_reduce(y, op)
+            continue
+        shm = _shared(y, group)
+        if shm is not None:
+            shm.all_reduce(y, op)
+        else:
+            with _faults.collective_errors(
+                f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}", group
+            ):
+                dist.all_reduce(
+                    y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
+                )
+    return y
+
+
+def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+    shm = _shared(x, group)
+    parts = shm.all_gather(x) if shm is not None else None
+    if parts is None:
+        parts = [
+            torch.empty_like(x, memory_format=torch.contiguous_format)
+            for _ in range(dist.get_world_size(group))
+        ]
+        with _faults.collective_errors("pardist.all_gather", group):
+            dist.all_gather(parts, x.contiguous(), group=group)
+    return parts
+
+
+def _batched(fn, in_dims, x, *dims):
+    """A vmap rule: the batch dim goes first and every tensor dim moves up by one."""
+    if in_dims[0] is None:
+        return fn(x, *dims), None
+    return fn(x.movedim(in_dims[0], 0), *(d + 1 for d in dims)), 0
+
+
+# The reductions take their transport ``reduce(x, groups, op)`` as an argument, so
+# that pardist._collectives decides (and tests can count) how values travel.
+
+
+class Psum(torch.autograd.Function):
+    """Sum over the groups; transpose: itself (every value counts as varying)."""
+
+    @staticmethod
+    def forward(x, groups, reduce):
+        return reduce(x, groups, "sum")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.groups, ctx.reduce = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Psum.apply(grad, ctx.groups, ctx.reduce), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, reduce):
+        return Psum.apply(x, groups, reduce), in_dims[0]
+
+
+class PsumInvariant(torch.autograd.Function):
+    """Sum of a varying value, invariant over the groups; transpose: ``pvary``."""
+
+    @staticmethod
+    def forward(x, groups, reduce):
+        return reduce(x, groups, "sum")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.groups, ctx.reduce = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Pvary.apply(grad, ctx.groups, ctx.reduce), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, reduce):
+        return PsumInvariant.apply(x, groups, reduce), in_dims[0]
+
+
+class Pvary(torch.autograd.Function):
+    """Identity, typed from invariant to varying; transpose: ``psum``."""
+
+    @staticmethod
+    def forward(x, groups, reduce):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.groups, ctx.reduce = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return PsumInvariant.apply(grad, ctx.groups, ctx.reduce), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, reduce):
+        return Pvary.apply(x, groups, reduce), in_dims[0]
+
+
+class Pmax(torch.autograd.Function):
+    """Elementwise maximum; the cotangent goes to the ranks holding it, split on ties.
+
+    ``invariant``: the cotangent is the same on every rank (tracked); otherwise
+    every rank's cotangent counts, so they are summed first.
+    """
+
+    @staticmethod
+    def forward(x, groups, reduce, invariant):
+        return reduce(x, groups, "max")
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.groups, ctx.reduce, ctx.invariant = inputs
+        ctx.save_for_backward(inputs[0], output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        hit = (x == y).to(grad.dtype)
+        ties = ctx.reduce(hit, ctx.groups, "sum")  # ranks sharing the maximum split its cotangent
+        total = grad if ctx.invariant else Psum.apply(grad, ctx.groups, ctx.reduce)
+        return total * hit / ties, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, groups, reduce, invariant):
+        return Pmax.apply(x, groups, reduce, invariant), in_dims[0]
+
+
+class AllGather(torch.autograd.Function):
+    """Concatenate along ``dim`` in axis order; transpose: ``psum_scatter``."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        return torch.cat(_gather(x, group), dim=dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return PsumScatter.apply(grad, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _batched(lambda x, d: AllGather.apply(x, group, d), in_dims, x, dim)
+
+
+class PsumScatter(torch.autograd.Function):
+    """Sum over the group, then keep this rank's block of ``dim``; transpose: ``all_gather``."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        size = dist.get_world_size(group)
+        if _shared(x, group) is not None:  # shared memory: an all-reduce is the fast path
+            total = reduce(x, [group], "sum")
+            block = total.shape[dim] // size
+            return total.narrow(dim, dist.get_rank(group) * block, block).clone()
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+        with _faults.collective_errors("pardist.psum_scatter", group):
+            _reduce_scatter(out, moved, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllGather.apply(grad, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _batched(lambda x, d: PsumScatter.apply(x, group, d), in_dims, x, dim)
+
+
+class AllGatherInvariant(torch.autograd.Function):
+    """``all_gather`` whose result is invariant over the group; transpose: ``pscatter``."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        return torch.cat(_gather(x, group), dim=dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return Pscatter.apply(grad, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _batched(lambda x, d: AllGatherInvariant.apply(x, group, d), in_dims, x, dim)
+
+
+class Pscatter(torch.autograd.Function):
+    """This rank's block of ``dim`` of an invariant value; transpose: ``all_gather_invariant``."""
+
+    @staticmethod
+    def forward(x, group, dim):
+        block = x.shape[dim] // dist.get_world_size(group)
+        return x.narrow(dim, dist.get_rank(group) * block, block).clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.dim = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllGatherInvariant.apply(grad, ctx.group, ctx.dim), None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, dim):
+        return _batched(lambda x, d: Pscatter.apply(x, group, d), in_dims, x, dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """Block j of ``split_dim`` goes to rank j; received blocks are concatenated along
+    ``concat_dim`` in rank order. Transpose: itself with the two dims swapped."""
+
+    @staticmethod
+    def forward(x, group, split_dim, concat_dim):
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        blocks = x.movedim(split_dim, 0)
+        blocks = blocks.reshape(size, blocks.shape[0] // size, *blocks.shape[1:]).contiguous()
+        shm = _shared(x, group)
+        everyone = shm.all_gather(blocks) if shm is not None else None
+        if everyone is not None:
+            received = [theirs[me] for theirs in everyone]
+        else:
+            out = torch.empty_like(blocks)
+            with _faults.collective_errors("pardist.all_to_all", group):
+                dist.all_to_all_single(out, blocks, group=group)
+            received = list(out.unbind(0))
+        return torch.cat([b.movedim(0, split_dim) for b in received], dim=concat_dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.split_dim, ctx.concat_dim = inputs
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllToAll.apply(grad, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, group, split_dim, concat_dim):
+        return _batched(
+            lambda x, s, c: AllToAll.apply(x, group, s, c), in_dims, x, split_dim, concat_dim
+        )

@@ -1,0 +1,363 @@
+"""The gradient mean of data parallelism, bucketed, as torch DDP's Reducer does it.
+
+Gradients arrive from the backward pass one tensor at a time, roughly in reverse
+parameter order. Each is divided by the number of contributions and written
+into a persistent flat bucket (~25 MB, the first ~1 MB so that communication can
+start early); a full bucket is all-reduced asynchronously while the backward
+goes on (``overlap``), always in bucket order so every rank issues the same
+collectives in the same order. The returned gradients are views of the buckets
+with their parameters' strides (channels_last stays channels_last), as DDP's are.
+
+Buckets are reused from step to step: a fresh 100 MB buffer per step costs page
+faults that dwarf the reduction. A bucket whose storage is still referenced by a
+caller (who kept last step's gradients) is left to the caller and replaced, so
+reuse never changes a value anyone can see.
+
+For CPU ranks on one host the buckets live in shared memory (``_shm``): each
+rank writes its gradients into its own region, each sums its 1/N chunk of every
+rank's copy into one common result that all of them read, with no copy in or
+out. Those gradients are then one memory seen by every rank of the host, so an
+in-place change to them would change every rank's; pardist never makes one, and
+the next step raises if a caller did. Where /dev/shm is short of room buckets
+are staged through a smaller shared region; elsewhere gloo or nccl reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+from pardist.runtime import _faults
+from pardist.runtime._layout import dense_strides
+from pardist.runtime._process import GroupRef
+from pardist.transport._shm import ALIGN, SharedMemoryGroup
+
+__all__ = ["Reducer", "check_layout"]
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _references(t: torch.Tensor) -> int:
+    # The count includes the temporary storage object made to ask.
+    return _use_count(t.untyped_storage()._cdata) if _use_count is not None else 1 << 30
+
+
+def _differ(ranks: list[int], layouts: list[list]) -> str:
+    """The first way the ranks' lists of (shape, dtype) differ from the first rank's."""
+    first = layouts[0]
+    for r, theirs in zip(ranks[1:], layouts[1:]):
+        if len(theirs) != len(first):
+            return (
+                f"rank {r} has {len(theirs)} tensors to reduce where rank {ranks[0]} "
+                f"has {len(first)}"
+            )
+        for a, b in zip(first, theirs):
+            if a != b:
+                return f"a {a[1]} {a[0]} gradient on rank {ranks[0]} is {b[1]} {b[0]} on rank {r}"
+    return "they differ"
+
+
+def check_layout(like: list[torch.Tensor], groups: list, where: str) -> None:
+    """Raise on every rank if the ranks of ``groups`` would reduce different tensors.
+
+    Run once, when buckets are laid out: buckets of different layouts would add
+    unrelated gradients (or read past a shorter rank's memory) without a word.
+    One small gather of a digest per group; the full lists only when they differ.
+    """
+    mine = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in like]
+    digest = hashlib.blake2b(repr(mine).encode(), digest_size=16).hexdigest()
+    for group in groups:
+        ranks = dist.get_process_group_ranks(group)
+        digests: list = [None] * len(ranks)
+        with _faults.collective_errors(f"{where} (comparing gradient layouts)", group):
+            dist.all_gather_object(digests, digest, group=group)
+            if len(set(digests)) == 1:
+                continue
+            layouts: list = [None] * len(ranks)
+            dist.all_gather_object(layouts, mine, group=group)
+        raise _faults.CollectiveMismatch(
+            f"{where}: the ranks of {_faults.describe_group(group.group_name, ranks)} "
+            f"differentiate different parameters, so their gradients cannot be averaged: "
+            f"{_differ(ranks, layouts)}. Every rank must pass the same parameter tree (the "
+            "same keys, shapes and dtypes): build the model the same way on every rank."
+        )
+
+
+@dataclasses.dataclass
+class _Slot:
+    bucket: int
+    offset: int
+    numel: int
+    shape: torch.Size
+    stride: tuple[int, ...]  # the parameter's (dense) strides: DDP's gradient layout contract
+
+
+class _Bucket:
+    def __init__(self, dtype: torch.dtype, device: torch.device, comm_dtype: torch.dtype | None):
+        self.dtype, self.device, self.comm_dtype = dtype, device, comm_dtype
+        self.numel = 0  # rows * row
+        self.row = 0
+        self.slots: list[int] = []
+        self.arena_offset: int | None = None  # byte offset in the shared regions
+        self.buffer: torch.Tensor | None = None  # this step's: shared region or private
+        self.private: torch.Tensor | None = None
+        self.comm: torch.Tensor | None = None
+        self.shared = False  # this step's buffer is the bucket's shared-memory region
+        self.common_offset: int | None = None  # byte offset of its result in the common area
+        self.pending = 0
+        self.work = None
+
+
+def assign(
+    like: list[torch.Tensor],
+    width,
+    rows: int,
+    comm_dtype,
+    bucket_bytes: int,
+    first_bucket_bytes: int,
+) -> tuple[list[_Bucket], list[tuple[int, int]]]:
+    """Group tensors into buckets, in reverse order (the last layers' gradients come first).
+
+    Each tensor takes ``width(t)`` elements of its bucket's row; a bucket is
+    ``rows`` rows (1 for all-reduce, the group size for reduce-scatter) and closes
+    once it holds ``bucket_bytes`` (``first_bucket_bytes`` for the first, so that
+    communication starts early). Tensors of different dtype or device never share
+    a bucket. Returns the buckets and each tensor's (bucket, column offset).
+    """
+    buckets: list[_Bucket] = []
+    places: list[tuple[int, int]] = [(0, 0)] * len(like)
+    open_by_kind: dict[tuple, int] = {}
+    for i in reversed(range(len(like))):
+        t = like[i]
+        kind = (t.dtype, t.device)
+        b = open_by_kind.get(kind)
+        cap = first_bucket_bytes if len(buckets) == 0 or b == 0 else bucket_bytes
+        if b is None or buckets[b].numel * t.element_size() >= cap:
+            cd = comm_dtype if comm_dtype is not None and t.is_floating_point() else None
+            buckets.append(_Bucket(t.dtype, t.device, cd if cd != t.dtype else None))
+            b = open_by_kind[kind] = len(buckets) - 1
+        bucket = buckets[b]
+        places[i] = (b, bucket.row)
+        bucket.slots.append(i)
+        bucket.row += width(t)
+        bucket.numel = rows * bucket.row
+    return buckets, places
+
+
+class Reducer:
+    """Averages one fixed list of gradient tensors over process groups, in buckets.
+
+    Args:
+        like: tensors shaped like the gradients (the parameters), in their order.
+        groups: process groups to reduce over, innermost first (hierarchical).
+        divisor: the number of ranks the mean is over.
+        comm_dtype: communicate in this dtype (bf16 / fp16 compression), or None.
+        overlap: launch each bucket's all-reduce as soon as it is full.
+    """
+
+    _common_result = True  # shared-memory buckets reduce into one result all ranks read
+
+    def __init__(
+        self,
+        like: list[torch.Tensor],
+        groups: list,
+        divisor: int,
+        *,
+        comm_dtype: torch.dtype | None = None,
+        overlap: bool = False,
+        bucket_bytes: int = 25 * 2**20,
+        first_bucket_bytes: int = 2**20,
+    ):
+        self._groups = [GroupRef(g) for g in groups]  # by name: never keeps a group alive
+        self.divisor, self.overlap = divisor, overlap
+        check_layout(like, groups, "pardist.grad")
+        self._build(like, comm_dtype, bucket_bytes, first_bucket_bytes)
+        self.arena = self.staging = None
+        if groups:
+            self._share_cpu_buckets(groups[0])
+        self._written = [False] * len(like)
+        self._next = 0
+        self._last = True
+        self._scale = 1.0
+
+    @property
+    def groups(self) -> list:
+        return [ref.get() for ref in self._groups]
+
+    def _build(self, like, comm_dtype, bucket_bytes: int, first_bucket_bytes: int) -> None:
+        self.buckets, places = assign(
+            like, lambda t: t.numel(), 1, comm_dtype, bucket_bytes, first_bucket_bytes
+        )
+        self.slots = [
+            _Slot(b, offset, t.numel(), t.shape, dense_strides(t))
+            for (b, offset), t in zip(places, like)
+        ]
+
+    def _share_cpu_buckets(self, group) -> None:
+        """Put CPU buckets in shared memory if the group shares a host (else None)."""
+        cpu = [b for b in self.buckets if b.device.type == "cpu"]
+        if not cpu:
+            return
+        if all(b.comm_dtype is None for b in cpu) and os.environ.get("PARDIST_SHM") != "staging":
+            offset = 0
+            for b in cpu:
+                b.arena_offset = offset
+                offset += -(-b.numel * b.dtype.itemsize // ALIGN) * ALIGN
+            # One common result, unless an outer axis must reduce it further in place.
+            common = self._common_result and len(self._groups) == 1
+            self.arena = SharedMemoryGroup.create(group, offset, offset if common else 0)
+            if self.arena is not None:
+                for b in cpu:
+                    b.common_offset = b.arena_offset if common else None
+                self._idle_references = _references(self.arena._data)
+                self._version = self.arena._data._version  # after our own last write
+                return
+            for b in cpu:
+                b.arena_offset = None
+        largest = max(b.numel * (b.comm_dtype or b.dtype).itemsize for b in cpu)
+        self.staging = SharedMemoryGroup.create(group, largest)
+
+    def begin(self, micro_batches: int = 1, divisor: float | None = None) -> None:
+        """Start one gradient computation of ``micro_batches`` backward passes.
+
+        ``divisor`` replaces the number of ranks for this rank's contributions (a
+        row-weighted mean divides by total rows / this rank's rows).
+        """
+        for bucket in self.buckets:
+            bucket.buffer = None  # our own views must not count as a caller's
+        # Gradients handed out last time are views of the buckets: a caller who
+        # still holds any keeps them, and this step reduces in fresh buffers. All
+        # ranks must choose alike, or their collectives would not match.
+        shared = self.arena is not None and self._may_reuse_arena()
+        for bucket in self.buckets:
+            bucket.shared = shared and bucket.arena_offset is not None
+            if bucket.shared:
+                bucket.buffer = self.arena.view(
+                    self.arena.index, bucket.arena_offset, bucket.numel, bucket.dtype
+                )
+            else:
+                if bucket.private is None or _references(bucket.private) > 2:
+                    bucket.private = torch.empty(
+                        bucket.numel, dtype=bucket.dtype, device=bucket.device
+                    )
+                bucket.buffer = bucket.private
+            if bucket.comm_dtype is not None and bucket.comm is None:
+                bucket.comm = torch.empty(
+                    bucket.numel, dtype=bucket.comm_dtype, device=bucket.device
+                )
+            bucket.pending = len(bucket.slots)
+            bucket.work = None
+        self._written = [False] * len(self.slots)
+        self._next = 0
+        self._scale = (self.divisor if divisor is None else divisor) * micro_batches
+        self._last = micro_batches == 1
+
+    def _may_reuse_arena(self) -> bool:
+        """Whether every rank may write the shared buckets again; raises if one was changed."""
+        common = any(b.common_offset is not None for b in self.buckets)
+        changed = common and self.arena._data._version != self._version
+        idle = _references(self.arena._data) <= self._idle_references
+        codes = self.arena.exchange(2 * changed + idle, ("pardist.grad (starting a step)",))
+        culprits = [k for k, code in enumerate(codes) if code & 2]
+        if culprits:
+            self._version = self.arena._data._version  # reported once, on every rank
+            raise RuntimeError(
+                f"pardist.grad: the gradients it returned were changed in place on group "
+                f"rank(s) {culprits} (an in-place op such as mul_ or clamp_, or a torch "
+                "optimizer stepping on them). Between CPU ranks of one host they are one "
+                "shared memory, so the change reached every rank. Transform gradients out "
+                "of place (as pardist.optim does), clone them first, or set PARDIST_SHM=0."
+            )
+        return all(code & 1 for code in codes)
+
+    def last_micro_batch(self) -> None:
+        """The next backward pass is the last: its gradients complete the buckets."""
+        self._last = True
+
+    def _view(self, i: int) -> torch.Tensor:
+        slot = self.slots[i]
+        flat = self.buckets[slot.bucket].buffer
+        return flat.narrow(0, slot.offset, slot.numel).as_strided(slot.shape, slot.stride)
+
+    def add(self, i: int, grad: torch.Tensor, divisor: float | None = None) -> None:
+        """Contribute the local gradient of tensor ``i`` (called from the backward).
+
+        ``divisor`` (1 for values that must arrive exact) replaces the usual one.
+        """
+        view = self._view(i)
+        scale = self._scale if divisor is None else divisor
+        if grad.shape != view.shape:
+            grad = grad.reshape(view.shape)
+        if self._written[i]:
+            view.add_(grad, alpha=1.0 / scale)
+        else:
+            torch.div(grad, scale, out=view)
+            self._written[i] = True
+        if self._last:
+            bucket = self.buckets[self.slots[i].bucket]
+            bucket.pending -= 1
+            # Shared-memory buckets wait for the end of the backward: their reduction
+            # is a synchronous copy, which would only stall the backward here.
+            if self.overlap and bucket.pending == 0 and not bucket.shared:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if not self._groups:
+            return
+        if bucket.shared and bucket.common_offset is not None:
+            bucket.buffer = self.arena.reduce_into(
+                bucket.arena_offset, bucket.numel, bucket.dtype, bucket.common_offset
+            )
+            return
+        if bucket.shared:
+            self.arena.reduce_in_place(bucket.arena_offset, bucket.numel, bucket.dtype)
+            return
+        data = bucket.buffer
+        if bucket.comm is not None:
+            bucket.comm.copy_(data)
+            data = bucket.comm
+        if self.staging is not None and data.device.type == "cpu":
+            self.staging.all_reduce(data, name="pardist.grad's gradient bucket")
+        else:
+            bucket.work = dist.all_reduce(data, group=self.groups[0], async_op=True)
+
+    def _zero(self, i: int) -> None:
+        self._view(i).zero_()
+
+    def _finish_buckets(self) -> None:
+        for i, written in enumerate(self._written):
+            if not written:  # unused on this rank: it contributes zero
+                self._zero(i)
+        for bucket in self.buckets:
+            bucket.pending = 0
+        self._launch_ready()
+        copied = [b for b in self.buckets if b.shared and b.common_offset is None]
+        if self.arena is not None and self._groups and copied:
+            self.arena.barrier()  # every rank has copied out before regions are rewritten
+        groups = self.groups  # outer axes are reduced after the inner one
+        for bucket in self.buckets:
+            data = bucket.buffer if bucket.comm is None else bucket.comm
+            if bucket.work is not None:
+                with _faults.collective_errors("pardist.grad's gradient reduction", groups[0]):
+                    bucket.work.wait()
+            for group in groups[1:]:
+                with _faults.collective_errors("pardist.grad's gradient reduction", group):
+                    dist.all_reduce(data, group=group)
+            if bucket.comm is not None:
+                bucket.buffer.copy_(bucket.comm)
+        if self.arena is not None:
+            self._version = self.arena._data._version  # what callers change comes after
+
+    def finish(self) -> list[torch.Tensor]:
+        """Reduce whatever is left, wait, and return the averaged gradients."""
+        self._finish_buckets()
+        return [self._view(i) for i in range(len(self.slots))]
