@@ -155,8 +155,11 @@ class _BatchNorm(torch.autograd.Function):
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         if x.numel():  # sum(g * xhat), sum(g) over this rank's rows, in one pass
             stats = mean.to(compute), var.to(compute)
+            # Eval mode reads the statistics from the running slots; CUDA's kernel
+            # asserts that the saved ones are defined, and empty means "not saved".
+            unsaved = x.new_empty(0, dtype=compute)
             _, dw, db = torch.ops.aten.native_batch_norm_backward(
-                g, x, weight, *stats, None, None, False, ctx.eps, [False, True, True]
+                g, x, weight, *stats, unsaved, unsaved, False, ctx.eps, [False, True, True]
             )
         else:  # (torch's kernel divides by zero on an empty input)
             dw = db = g.new_zeros(channels, dtype=compute)
