@@ -34,9 +34,7 @@ def test_a_lone_tensor_is_held_once_and_a_view_adds_one():
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
-    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 
 
 def test_storage_holders_read_alike_where_torch_counts_differently():

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import _faults
-from pardist.runtime._layout import dense_strides
 from pardist.runtime._compat import storage_holders
+from pardist.runtime._layout import dense_strides
 from pardist.runtime._process import GroupRef
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
