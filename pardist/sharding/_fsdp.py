@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from pardist.runtime import _mesh, _tree
+from pardist.runtime._compat import dtensor_local, dtensor_spec
 from pardist.transport._scatter import shard_range
 
 __all__ = ["Guarded", "axes_of", "fsdp", "grad_inputs", "is_shard", "like", "original_shape"]
@@ -134,7 +135,7 @@ def axes_of(x: DTensor, mesh: _mesh.Mesh) -> tuple[str, ...] | None:
 
 def like(local: torch.Tensor, template: DTensor) -> DTensor:
     """``local`` as a DTensor with ``template``'s mesh, placements and global shape."""
-    return DTensor(local, template._spec, requires_grad=False)
+    return DTensor(local, dtensor_spec(template), requires_grad=False)
 
 
 def original_shape(key: str, numel: int) -> str:
@@ -188,7 +189,7 @@ def grad_inputs(leaves: list, args: tuple, nums: tuple[int, ...], where: str) ->
     out = []
     for (prefix, key), t in zip(keys, leaves):
         if isinstance(t, DTensor):
-            g = Guarded(t._local_tensor, t._spec, requires_grad=True)
+            g = Guarded(dtensor_local(t), dtensor_spec(t), requires_grad=True)
             g._pardist_where, g._pardist_prefix, g._pardist_key = where, prefix, key
             out.append(g)
         else:
