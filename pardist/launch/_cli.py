@@ -54,9 +54,9 @@ WHERE = "pardist.launch"
 
 
 def _parser():
-    from torch.distributed.run import get_args_parser
+    from pardist.runtime._compat import torchrun_parser
 
-    parser = get_args_parser()
+    parser = torchrun_parser()
     parser.prog = "python -m pardist.launch"
     parser.description = (
         "Run a training script in N processes per machine with torchrun's elastic agent. "
@@ -206,6 +206,8 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
             where=WHERE,
             option="--master-port",
         )
+    if args.master_port is None:  # torch's run() fills it in since 2.12; 2.11's reads it as is
+        args.master_port = 29500
     return args, env
 
 

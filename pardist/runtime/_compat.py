@@ -54,6 +54,7 @@ __all__ = [
     "matches_machine_hostname",
     "pytree",
     "storage_holders",
+    "torchrun_parser",
 ]
 
 # --- imported above -------------------------------------------------------------------
@@ -108,6 +109,23 @@ def matches_machine_hostname(host: str) -> bool:
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
     return _matches_machine_hostname(host)
+
+
+def torchrun_parser():
+    """torch.distributed.run's argument parser, alike on every version.
+
+    ``--master-port`` defaults to 29500 up to torch 2.11 and to None (not given) since
+    2.12. pardist.launch reads None as "no port given" (one machine then gets a port
+    from the OS), so the old default would make every one-machine job use 29500 and
+    two of them collide. Here it is None everywhere (or PET_MASTER_PORT, as torchrun).
+    """
+    import os
+
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.set_defaults(master_port=os.environ.get("PET_MASTER_PORT"))
+    return parser
 
 
 def make_wrapper_subclass(cls, shape, *, dtype, device) -> torch.Tensor:
