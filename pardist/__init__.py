@@ -6,6 +6,10 @@ batch and ``pardist.grad`` averages the gradients, with explicit sharding specs
 instead of wrapped modules.
 """
 
+# First: an unsupported torch is refused in one line, before pardist touches its internals.
+from pardist.runtime import _compat  # noqa: F401  # isort: skip
+
+# isort: split
 from pardist import amp, checkpoint, data, optim
 from pardist.collectives._collectives import (
     all_gather,

@@ -26,6 +26,7 @@ import torch
 
 from pardist.collectives import _collectives
 from pardist.runtime import _process, _tree
+from pardist.runtime._compat import foreach_mul, foreach_norm
 from pardist.runtime._context import current_step
 
 __all__ = ["DynamicLossScale", "LossScaleState", "autocast", "dynamic_loss_scale"]
@@ -104,8 +105,8 @@ def dynamic_loss_scale(
         if not leaves:
             return grads, True
         inverse = (1.0 / state.scale).to(leaves[0].device)
-        unscaled = torch._foreach_mul(leaves, inverse)
-        norms = torch._foreach_norm(unscaled)  # inf or nan wherever an element is
+        unscaled = foreach_mul(leaves, inverse)
+        norms = foreach_norm(unscaled)  # inf or nan wherever an element is
         bad = (~torch.stack([n.to(leaves[0].device) for n in norms]).isfinite()).any().float()
         ctx = current_step()
         if ctx is not None and ctx.mesh.size(ctx.mesh.axis_names) > 1:

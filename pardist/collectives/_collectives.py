@@ -38,6 +38,7 @@ import torch.distributed as dist
 from pardist.collectives import _vma
 from pardist.compile import _traced
 from pardist.runtime import _faults, _mesh, _tree
+from pardist.runtime._compat import functorch
 from pardist.runtime._context import compiled_plan
 from pardist.transport import _primitives
 from pardist.transport._primitives import (
@@ -51,7 +52,7 @@ from pardist.transport._primitives import (
 
 __all__ = ["all_gather", "axis_index", "axis_size", "broadcast", "pmax", "pmean", "psum", "pvary"]
 
-_functorch = torch._C._functorch
+_functorch = functorch
 _reduce = _primitives.reduce  # how reductions travel: shared memory on one host, else the backend
 
 

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from pardist.runtime._compat import functorch
 from pardist.runtime._mesh import Mesh
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 EMPTY: frozenset[str] = frozenset()
-_functorch = torch._C._functorch
+_functorch = functorch
 
 
 class Tracking:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pardist.runtime import _context, _mesh, _tree
+from pardist.runtime._compat import TorchCompileInductorWrapper, dynamo
 from pardist.runtime._context import StepContext
 from pardist.transport import _shm
 
@@ -173,7 +174,7 @@ def _reason(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     head = lines[0] if lines else type(e).__name__
     cause = e.__cause__ or e.__context__
-    if isinstance(e, torch._dynamo.exc.BackendCompilerFailed) and cause is not None:
+    if isinstance(e, dynamo.exc.BackendCompilerFailed) and cause is not None:
         return _reason(cause)
     for line in lines:  # an error the step raised while traced: dynamo names it here
         if "raised exception " in line:
@@ -193,9 +194,9 @@ class _Backend:
 
     def __init__(self, backend: Any, mode: Any, options: Any, dynamic: Any):
         if backend == "inductor":
-            backend = torch._TorchCompileInductorWrapper(mode, options, dynamic)
+            backend = TorchCompileInductorWrapper(mode, options, dynamic)
         elif isinstance(backend, str):
-            backend = torch._dynamo.lookup_backend(backend)
+            backend = dynamo.lookup_backend(backend)
         self.inner = backend
         self.agreeing = False  # during a step's first call
         self.verdict: str | None = None  # set once the ranks have agreed
@@ -205,7 +206,7 @@ class _Backend:
         self.graphs += 1
         try:
             compiled, problem = self.inner(gm, example_inputs), None
-        except torch._dynamo.exc.RestartAnalysis:
+        except dynamo.exc.RestartAnalysis:
             raise  # dynamo traces again and calls back: nothing to agree on yet
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             compiled, problem, error = None, _reason(e), e
@@ -285,7 +286,7 @@ class CompiledStep:
                 return self.compiled(step.fn, self.plans[key], args, kwargs)
             # Hyper-parameters read as Python floats (batch norm's momentum, eps) are
             # constants: specialized now, dynamo need not trace twice to learn it.
-            with torch._dynamo.config.patch(specialize_float=True):
+            with dynamo.config.patch(specialize_float=True):
                 return self.compiled(step.fn, self.plans[key], args, kwargs)
         except Exception as e:
             if not first:
@@ -326,7 +327,7 @@ def compiled_step(compile: bool | dict, where: str) -> CompiledStep | None:  # n
     )
 
 
-@torch._dynamo.disable(reason="pardist.data_parallel compiles its step itself (compile=True)")
+@dynamo.disable(reason="pardist.data_parallel compiles its step itself (compile=True)")
 def outer_compile(step: Any, args: tuple, kwargs: dict) -> Any:
     """``torch.compile(data_parallel(step))``: compile the step the way compile=True does.
 

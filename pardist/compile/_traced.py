@@ -24,10 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from pardist.compile import _ops  # noqa: F401  (_ops registers torch.ops.pardist)
 from pardist.runtime import _tree
+from pardist.runtime._compat import funcol
 
 __all__ = [
     "all_gather",

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from pardist.collectives import _vma
 from pardist.gradients import _microbatch, _perrank
 from pardist.runtime import _tree
+from pardist.runtime._compat import functorch
 from pardist.runtime._context import StepContext
 from pardist.runtime._layout import laid_out_like
 from pardist.sharding import _fsdp
@@ -91,7 +92,7 @@ class Call:
                 g = local[i] / k if k > 1 else local[i]
                 # The parameter's strides, as .grad has them; inside an enclosing
                 # transform the tensors are wrapped, and its own call lays them out.
-                outer = torch._C._functorch.peek_interpreter_stack() is not None
+                outer = functorch.peek_interpreter_stack() is not None
                 out.append(g if outer else laid_out_like(g, t))
         return out
 

@@ -29,6 +29,7 @@ from pardist.collectives import _collectives, _vma
 from pardist.gradients import _bucketed, _microbatch, _perrank, _traced_grad
 from pardist.gradients._bucketed import Call
 from pardist.runtime import _tree
+from pardist.runtime._compat import functorch
 from pardist.runtime._context import current_step
 from pardist.runtime._layout import laid_out_like
 
@@ -106,7 +107,7 @@ def _rows(flat: list, masks: list, weighted: bool, where: str) -> int:
 
 def _in_transform(leaves: list[torch.Tensor]) -> bool:
     """Inside another torch.func transform, or under an outer autograd graph."""
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if functorch.peek_interpreter_stack() is not None:
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
@@ -177,7 +178,7 @@ def _regroup(grads: list, flat: list) -> Any:
 
 def _laid_out_like_args(grads: Any, args: tuple, nums) -> Any:
     """torch.func's gradients with their arguments' strides (in the outermost call)."""
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if functorch.peek_interpreter_stack() is not None:
         return grads  # wrapped tensors of an enclosing transform: its own call lays them out
     like = args[nums] if isinstance(nums, int) else tuple(args[n] for n in nums)
     return _tree.tree_map(laid_out_like, grads, like)

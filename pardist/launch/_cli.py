@@ -54,9 +54,9 @@ WHERE = "pardist.launch"
 
 
 def _parser():
-    from torch.distributed.run import get_args_parser
+    from pardist.runtime._compat import torchrun_parser
 
-    parser = get_args_parser()
+    parser = torchrun_parser()
     parser.prog = "python -m pardist.launch"
     parser.description = (
         "Run a training script in N processes per machine with torchrun's elastic agent. "
@@ -127,10 +127,10 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
         >>> env['TORCH_DISABLE_SHARE_RDZV_TCP_STORE']
         '1'
     """
-    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
     from torch.distributed.run import parse_min_max_nnodes
 
     from pardist.launch import _ports
+    from pardist.runtime._compat import matches_machine_hostname
 
     args = _parser().parse_args(list(argv))
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -192,7 +192,7 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
                 "is_host" not in conf
                 and owner == "free"
                 and _ports.is_local_address(host)
-                and not _matches_machine_hostname(host)
+                and not matches_machine_hostname(host)
             ):
                 # This node owns the endpoint's address, so it hosts the store; torch's
                 # guess goes by hostname, which containers and namespaces share.
@@ -206,6 +206,8 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
             where=WHERE,
             option="--master-port",
         )
+    if args.master_port is None:  # torch's run() fills it in since 2.12; 2.11's reads it as is
+        args.master_port = 29500
     return args, env
 
 

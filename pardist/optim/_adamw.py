@@ -21,6 +21,7 @@ from pardist.optim._base import (
     schedule_value,
 )
 from pardist.runtime import _tree
+from pardist.runtime._compat import fused_adam_, fused_adamw_
 
 __all__ = ["AdamWState", "adam", "adamw"]
 
@@ -125,7 +126,7 @@ def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, t in enumerate(p):
         groups[(t.device, t.dtype)].append(i)
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel = fused_adamw_ if decoupled else fused_adam_
     for (device, _), index in groups.items():
         pick = lambda ts, index=index: [ts[i] for i in index] if ts else []  # noqa: E731
         steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(index)

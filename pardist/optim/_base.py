@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from pardist.compile import _ops
 from pardist.runtime import _tree
+from pardist.runtime._compat import dtensor_local, dtensor_spec, fused_kernel_devices
 from pardist.runtime._context import donating, is_donated
 from pardist.runtime._layout import is_dense, laid_out_like, same_layout
 
@@ -158,9 +159,7 @@ def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list |
     """
     if fused is False or torch.compiler.is_compiling():
         return False
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    supported = set(_get_fused_kernels_supported_devices())
+    supported = set(fused_kernel_devices())
     if not all(t.is_floating_point() and t.device.type in supported for t in tensors):
         return False
     if all(t.is_contiguous() for t in tensors) and all(
@@ -201,7 +200,7 @@ def on_shards(update_fn: Callable, where: str) -> Callable:
                     "params are pardist.fsdp shards. Make the state from the sharded params: "
                     "opt_state = opt.init(params) after params = pardist.fsdp(params)."
                 )
-        local = lambda x: x._local_tensor if isinstance(x, DTensor) else x  # noqa: E731
+        local = lambda x: dtensor_local(x) if isinstance(x, DTensor) else x  # noqa: E731
         lp, lg, ls = (list(map(local, ts)) for ts in (p_leaves, _tree.tree_leaves(grads), s_leaves))
         shards = [x for x in p_leaves + s_leaves if isinstance(x, DTensor)]
         mine = [t for t in lp + ls if isinstance(t, torch.Tensor)] if is_donated(shards) else []
@@ -224,6 +223,6 @@ def _rewrap(tree: Any, old: list, old_local: list) -> Any:
     out = []
     for new, was, was_local in zip(leaves, old, old_local):
         if isinstance(was, DTensor):
-            new = was if new is was_local else DTensor(new, was._spec, requires_grad=False)
+            new = was if new is was_local else DTensor(new, dtensor_spec(was), requires_grad=False)
         out.append(new)
     return _tree.tree_unflatten(out, treedef)

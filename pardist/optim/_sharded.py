@@ -20,12 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
 from pardist.optim import _sharded_compiled
 from pardist.optim._base import Optimizer
 from pardist.runtime import _mesh, _tree
+from pardist.runtime._compat import pytree
 from pardist.runtime._context import compiled_plan, donating, is_donated, sharded_over
 from pardist.sharding import _fsdp
 from pardist.transport._scatter import ParamGather, shard_range, signature

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _collectives
 from pardist.optim._base import GradientTransformation
 from pardist.runtime import _tree
+from pardist.runtime._compat import foreach_mul, foreach_norm
 from pardist.runtime._context import compiled_plan, shard_group
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
@@ -26,7 +27,7 @@ def global_norm(tree) -> torch.Tensor:
     if not leaves:
         return torch.tensor(0.0)
     local = [x.to_local() if isinstance(x, DTensor) else x for x in leaves]
-    norms = torch.stack([n.to(local[0].device) for n in torch._foreach_norm(local, 2.0)])
+    norms = torch.stack([n.to(local[0].device) for n in foreach_norm(local, 2.0)])
     group = shard_group()  # inside optim.sharded: every leaf is this rank's shard
     shards = [group is not None or isinstance(x, DTensor) for x in leaves]
     if not any(shards):
@@ -60,7 +61,7 @@ def clip_by_global_norm(max_norm: float, eps: float = 1e-6) -> GradientTransform
     def update_fn(grads, state, params=None):
         leaves, treedef = _tree.tree_flatten(grads)
         coef = (max_norm / (global_norm(grads) + eps)).clamp(max=1.0)
-        scaled = torch._foreach_mul(leaves, coef) if leaves else []
+        scaled = foreach_mul(leaves, coef) if leaves else []
         return _tree.tree_unflatten(scaled, treedef), state
 
     return GradientTransformation(lambda params: EmptyState(), update_fn)

@@ -10,7 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+
+from pardist.runtime._compat import pytree
 
 __all__ = [
     "broadcast_prefix",

@@ -19,11 +19,11 @@ unit's gather is started while the current one computes, forward and backward.
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _vma
+from pardist.runtime._compat import functorch, pytree
 from pardist.runtime._context import current_step
 from pardist.sharding import _fsdp
 from pardist.sharding._gather import Gather, Gathered, Packed, unpack
@@ -34,15 +34,15 @@ __all__ = ["Runner", "has_shards"]
 
 def _unwrapped(x):
     """``x`` without torch.func's wrappers (a DTensor given to torch.func.grad is wrapped)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
+    while functorch.is_functorch_wrapped_tensor(x):
+        x = functorch.get_unwrapped(x)
     return x
 
 
 def has_shards(params: dict) -> bool:
     if any(isinstance(v, DTensor) for v in params.values()):
         return True
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is None:
+    if torch.compiler.is_compiling() or functorch.peek_interpreter_stack() is None:
         return False  # (a compiled step holds no pardist.fsdp shards: it runs those eagerly)
     return any(isinstance(_unwrapped(v), DTensor) for v in params.values())
 
@@ -223,7 +223,7 @@ class Runner:
                 "pardist.data_parallel (evaluation steps too), or pass full parameters "
                 "(p.full_tensor().view(shape), on every rank)."
             )
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if functorch.peek_interpreter_stack() is not None:
             raise RuntimeError(
                 f"{self.where}: pardist.fsdp parameters cannot be used under torch.func "
                 "transforms (vmap, grad, jacrev): their gather and reduce-scatter are "

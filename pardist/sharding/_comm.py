@@ -86,7 +86,7 @@ class Pool:
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         kept = self._buffers.setdefault((dtype, device), [])
-        free = [b for b in kept if _references(b) <= 2]
+        free = [b for b in kept if _references(b) <= 1]
         fits = [b for b in free if b.numel() >= numel]
         if fits:
             return min(fits, key=torch.Tensor.numel)[:numel]

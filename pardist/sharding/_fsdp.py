@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from pardist.runtime import _mesh, _tree
+from pardist.runtime._compat import DisableTorchFunctionSubclass, dtensor_local, dtensor_spec
 from pardist.transport._scatter import shard_range
 
 __all__ = ["Guarded", "axes_of", "fsdp", "grad_inputs", "is_shard", "like", "original_shape"]
@@ -134,7 +135,7 @@ def axes_of(x: DTensor, mesh: _mesh.Mesh) -> tuple[str, ...] | None:
 
 def like(local: torch.Tensor, template: DTensor) -> DTensor:
     """``local`` as a DTensor with ``template``'s mesh, placements and global shape."""
-    return DTensor(local, template._spec, requires_grad=False)
+    return DTensor(local, dtensor_spec(template), requires_grad=False)
 
 
 def original_shape(key: str, numel: int) -> str:
@@ -156,6 +157,12 @@ def describe(prefix: str, key: str, shard: DTensor) -> str:
     )
 
 
+_METADATA = {
+    getattr(torch.Tensor, n)
+    for n in "size dim numel stride is_floating_point is_complex element_size __len__".split()
+} | {torch.autograd.grad, torch.autograd.backward}  # differentiating w.r.t. a shard is its use
+
+
 class Guarded(DTensor):
     """An FSDP shard given to a function that ``pardist.grad`` differentiates.
 
@@ -165,6 +172,16 @@ class Guarded(DTensor):
     """
 
     _pardist_where, _pardist_prefix, _pardist_key = "pardist.grad", "params", ""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # DTensor's C++ fast path on torch 2.10-2.11 runs an operator without calling a
+        # subclass's __torch_dispatch__ (torch issue 167051): the check is made here too.
+        # Metadata (shape, dtype, requires_grad, ...) computes nothing with the shard.
+        if getattr(func, "__name__", None) == "__get__" or func in _METADATA:
+            with DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        cls.__torch_dispatch__(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -188,7 +205,7 @@ def grad_inputs(leaves: list, args: tuple, nums: tuple[int, ...], where: str) ->
     out = []
     for (prefix, key), t in zip(keys, leaves):
         if isinstance(t, DTensor):
-            g = Guarded(t._local_tensor, t._spec, requires_grad=True)
+            g = Guarded(dtensor_local(t), dtensor_spec(t), requires_grad=True)
             g._pardist_where, g._pardist_prefix, g._pardist_key = where, prefix, key
             out.append(g)
         else:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from pardist.runtime._compat import dtensor_local, dtensor_spec
+
 __all__ = ["Gather", "Gathered", "Packed", "unpack"]
 
 
@@ -23,8 +25,8 @@ class Gathered:
 
     def __init__(self, plan, unit, shards: list[DTensor]):
         self.plan, self.unit = plan, unit
-        self.locals = [s._local_tensor for s in shards]
-        self.specs = [s._spec for s in shards]
+        self.locals = [dtensor_local(s) for s in shards]
+        self.specs = [dtensor_spec(s) for s in shards]
         self.buffers = self.tensors = self.handle = self.prev = None
 
     def start(self) -> None:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
+from pardist.runtime._compat import (
+    DisableTorchFunctionSubclass,
+    dtensor_local,
+    make_wrapper_subclass,
+    pytree,
+)
 from pardist.runtime._context import StepContext
 from pardist.sharding import _fsdp, _units
 from pardist.sharding._comm import Layout, Transport
@@ -37,7 +42,7 @@ class Absent(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape, dtype, device, runner, unit: int, index: int):
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        t = make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
         t._runner, t._unit, t._index = runner, unit, index
         return t
 
@@ -45,7 +50,7 @@ class Absent(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
 
         def real(x):
@@ -119,7 +124,7 @@ class Plan:
         for i, u in enumerate(units):
             unit = Unit(u.name, u.module, u.params)
             unit.index, unit.shapes = i, [metas[n].shape for n in u.params]
-            device = shards[u.params[0]]._local_tensor.device if u.params else None
+            device = dtensor_local(shards[u.params[0]]).device if u.params else None
             unit.layout = Layout(
                 unit.shapes, [shards[n].dtype for n in u.params], device, self.size, index
             )
@@ -139,7 +144,7 @@ class Plan:
         self.absent = {}
         for unit in self.units[1:]:
             for k, name in enumerate(unit.params):
-                device = shards[name]._local_tensor.device
+                device = dtensor_local(shards[name]).device
                 self.absent[name] = Absent(
                     metas[name].shape, shards[name].dtype, device, runner, unit.index, k
                 )

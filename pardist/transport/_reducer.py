@@ -32,18 +32,15 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import _faults
+from pardist.runtime._compat import storage_holders
 from pardist.runtime._layout import dense_strides
 from pardist.runtime._process import GroupRef
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
 __all__ = ["Reducer", "check_layout"]
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _references(t: torch.Tensor) -> int:
-    # The count includes the temporary storage object made to ask.
-    return _use_count(t.untyped_storage()._cdata) if _use_count is not None else 1 << 30
+# How many tensors hold a storage: 1 for a lone tensor, on every torch version.
+_references = storage_holders
 
 
 def _differ(ranks: list[int], layouts: list[list]) -> str:
@@ -240,7 +237,7 @@ class Reducer:
                     self.arena.index, bucket.arena_offset, bucket.numel, bucket.dtype
                 )
             else:
-                if bucket.private is None or _references(bucket.private) > 2:
+                if bucket.private is None or _references(bucket.private) > 1:
                     bucket.private = torch.empty(
                         bucket.numel, dtype=bucket.dtype, device=bucket.device
                     )

@@ -132,7 +132,7 @@ class ScatterReducer(Reducer):
                 bucket.arena_offset, bucket.numel, bucket.dtype, gather=False
             )
             return
-        if getattr(bucket, "out", None) is None or _references(bucket.out) > 2:
+        if getattr(bucket, "out", None) is None or _references(bucket.out) > 1:
             bucket.out = torch.empty(bucket.row, dtype=bucket.dtype, device=bucket.device)
         bucket.work = _scatter(bucket.out, bucket.buffer, group=self.groups[0], async_op=True)
 

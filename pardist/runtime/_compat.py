@@ -1,0 +1,180 @@
+"""The one place pardist reaches into torch's private names.
+
+Every private torch name (``torch._...``, ``torch.distributed._...``, ``torch._C``,
+private attributes of public classes) that pardist uses is imported or wrapped here,
+with why it is needed and since which torch version it behaves as pardist uses it.
+Nothing else in pardist names a private torch API (``tests/test_compat.py`` checks),
+so a torch release that changes one breaks this module, not pardist's logic.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# The oldest torch pardist supports; pyproject.toml says the same. Checked first, before
+# anything below touches a private name, so an older torch gets one clear line at
+# ``import pardist`` instead of a traceback from deep inside torch.
+MINIMUM_TORCH = (2, 11)
+
+
+def _check_version(version: str) -> None:
+    found = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    if found < MINIMUM_TORCH:
+        want = ".".join(map(str, MINIMUM_TORCH))
+        raise ImportError(
+            f"pardist needs torch>={want}, but torch {version} is installed: "
+            f"pip install 'torch>={want}'"
+        ) from None
+
+
+_check_version(torch.__version__)
+
+import torch._dynamo as dynamo  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+from torch._C import DisableTorchFunctionSubclass  # noqa: E402
+
+__all__ = [
+    "MINIMUM_TORCH",
+    "DisableTorchFunctionSubclass",
+    "TorchCompileInductorWrapper",
+    "dtensor_local",
+    "dtensor_spec",
+    "dynamo",
+    "foreach_mul",
+    "foreach_norm",
+    "funcol",
+    "functorch",
+    "fused_adam_",
+    "fused_adamw_",
+    "fused_kernel_devices",
+    "make_wrapper_subclass",
+    "matches_machine_hostname",
+    "pytree",
+    "storage_holders",
+    "torchrun_parser",
+]
+
+# --- imported above -------------------------------------------------------------------
+# dynamo (torch._dynamo): compile=True drives dynamo itself (exc.BackendCompilerFailed,
+#   exc.RestartAnalysis, lookup_backend, config.patch) and marks pardist's own entry
+#   points ``disable(reason=...)``; ``reason=`` since 2.8, the rest as used since 2.5.
+# funcol (torch.distributed._functional_collectives): traceable collectives that a
+#   compiled step records as graph nodes; as used since 2.5 (still private in 2.15).
+# pytree (torch.utils._pytree): the tree flattening torch.func and dynamo use, so that
+#   pardist's trees flatten as torch's do; key paths (``flatten_with_keys_fn``,
+#   GetAttrKey) since 2.3. torch.utils.pytree (public) exists from 2.6 but lacks them.
+# DisableTorchFunctionSubclass (torch._C): answers metadata of a tensor subclass
+#   without re-entering its __torch_function__; as used since 2.0.
+
+# torch._C._functorch: whether torch.func transforms are running, and unwrapping their
+# wrapper tensors (peek_interpreter_stack, is_functorch_wrapped_tensor, get_unwrapped):
+# pardist.grad nests inside or around torch.func and must know which. As used since 2.0.
+functorch = torch._C._functorch
+
+# torch._foreach_mul / torch._foreach_norm: one kernel for a list of tensors (gradient
+# clipping, loss-scale unscaling), as torch's own optimizers use them; since 1.13.
+foreach_mul = torch._foreach_mul
+foreach_norm = torch._foreach_norm
+
+# torch._fused_adam_ / torch._fused_adamw_: the fused optimizer kernels torch.optim uses
+# with fused=True; CPU support since 2.4, the signature as called since 2.4.
+fused_adam_ = torch._fused_adam_
+fused_adamw_ = torch._fused_adamw_
+
+# torch._TorchCompileInductorWrapper: the backend torch.compile builds for inductor from
+# (mode, options, dynamic), so compile=True accepts torch.compile's arguments; since 2.0.
+TorchCompileInductorWrapper = torch._TorchCompileInductorWrapper
+
+
+def fused_kernel_devices() -> list[str]:
+    """Device types with fused optimizer kernels.
+
+    torch.utils._foreach_utils._get_fused_kernels_supported_devices: the list
+    torch.optim checks for fused=True; since 2.1 (includes "cpu" since 2.4).
+    """
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return _get_fused_kernels_supported_devices()
+
+
+def matches_machine_hostname(host: str) -> bool:
+    """Whether ``host`` names this machine (an address or a hostname of it).
+
+    torch.distributed.elastic.rendezvous.utils._matches_machine_hostname: what torchrun
+    uses to decide whether a rendezvous endpoint is local; since 1.10.
+    """
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return _matches_machine_hostname(host)
+
+
+def torchrun_parser():
+    """torch.distributed.run's argument parser, alike on every version.
+
+    ``--master-port`` defaults to 29500 up to torch 2.11 and to None (not given) since
+    2.12. pardist.launch reads None as "no port given" (one machine then gets a port
+    from the OS), so the old default would make every one-machine job use 29500 and
+    two of them collide. Here it is None everywhere (or PET_MASTER_PORT, as torchrun).
+    """
+    import os
+
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.set_defaults(master_port=os.environ.get("PET_MASTER_PORT"))
+    return parser
+
+
+def make_wrapper_subclass(cls, shape, *, dtype, device) -> torch.Tensor:
+    """torch.Tensor._make_wrapper_subclass: a tensor subclass with metadata and no data.
+
+    What DTensor and torch's own subclasses are built with; keyword form since 2.0.
+    """
+    return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+
+def dtensor_local(d) -> torch.Tensor:
+    """DTensor._local_tensor: this rank's shard, outside autograd.
+
+    DTensor.to_local() is public but differentiable (and waits on async shards);
+    pardist needs the plain tensor it wraps. Attribute name as used since 2.0.
+    """
+    return d._local_tensor
+
+
+def dtensor_spec(d):
+    """DTensor._spec: the DTensorSpec (mesh, placements, shape) to build a DTensor with.
+
+    ``DTensor(local, spec, requires_grad=...)`` is how torch itself makes one without a
+    collective; as used since 2.4.
+    """
+    return d._spec
+
+
+# torch._C._storage_Use_Count(storage._cdata): how many references hold a tensor's
+# storage. pardist reuses a buffer it handed out only when no caller still holds a
+# view of it. The raw number differs by version: asking makes a temporary storage
+# object that counts itself on torch >= 2.10 (a lone tensor reads 2), not on <= 2.9
+# (reads 1). So the count of a lone fresh tensor is measured once, here, and
+# subtracted, instead of assuming a constant.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _raw_use_count(t: torch.Tensor) -> int:
+    return _use_count(t.untyped_storage()._cdata)
+
+
+_LONE = _raw_use_count(torch.empty(1)) if _use_count is not None else 1
+
+
+def storage_holders(t: torch.Tensor) -> int:
+    """How many tensors hold ``t``'s storage: 1 for a lone tensor on every torch version.
+
+    Without torch's counter, a number so large that no buffer is ever taken for free.
+    """
+    if _use_count is None:
+        return 1 << 30
+    return _raw_use_count(t) - _LONE + 1
