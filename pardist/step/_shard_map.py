@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _collectives, _vma
 from pardist.compile import _step
 from pardist.optim._sharded import ShardedState
-from pardist.runtime import _mesh, _tree
+from pardist.runtime import _mesh, _rng, _tree
 from pardist.runtime._context import StepContext, debug_enabled, entered
 from pardist.step import _replication, _specs
 from pardist.step._specs import P
@@ -174,12 +174,13 @@ class Step:
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
         donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
         out, typed_problem = _step.EAGER, None
-        if self.compiled is not None:
-            out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
-        if out is _step.EAGER:
-            out, typed_problem = self._run_eager(
-                args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter
-            )
+        with _rng.stream(mesh.index(axes) if axes else 0):  # dropout: per rank and step
+            if self.compiled is not None:
+                out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
+            if out is _step.EAGER:
+                out, typed_problem = self._run_eager(
+                    args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter
+                )
         self.calls += 1
         if check:
             self._check_outputs(out, mesh, axes, typed_problem)
