@@ -18,7 +18,7 @@ from torch import nn
 
 from pardist.collectives import _collectives
 from pardist.nn import _batchnorm, _frozen
-from pardist.runtime import _tree
+from pardist.runtime import _placement, _tree
 from pardist.runtime._context import current_step
 from pardist.sharding import _apply, _units
 
@@ -95,7 +95,7 @@ class _Slots:
 
 
 def functional(
-    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto"
+    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto", device: Any = "auto"
 ) -> tuple[Callable, dict, dict]:
     """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
 
@@ -117,6 +117,10 @@ def functional(
             ``(path, module) -> bool``, or None (all gathered for the whole apply).
             Parameters outside every unit, and tied ones, stay gathered for the
             whole forward.
+        device: where the returned params and buffers live: ``'auto'`` puts those
+            on the CPU on :func:`pardist.device` (the local GPU, else the CPU, so
+            the same script runs on both); a device moves all of them there;
+            None leaves them on the module's device.
 
     Returns:
         ``(apply, params, buffers)``: detached copies of the parameters and
@@ -137,6 +141,8 @@ def functional(
     params = {name: p.detach().clone() for name, p in module.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     frozen = _frozen.split(module, params, buffers)  # requires_grad=False: with the buffers
+    target, only_cpu = _placement.resolve(device, f"pardist.functional({type(module).__name__})")
+    params, buffers = _placement.move((params, buffers), target, only_cpu)
     skeleton = _meta_skeleton(module)
     where = f"pardist.functional({type(module).__name__})"
     _batchnorm.prepare(skeleton, where)

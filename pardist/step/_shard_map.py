@@ -34,7 +34,7 @@ from pardist.compile import _step
 from pardist.optim._sharded import ShardedState
 from pardist.runtime import _mesh, _rng, _tree
 from pardist.runtime._context import StepContext, debug_enabled, entered
-from pardist.step import _replication, _specs
+from pardist.step import _devices, _replication, _specs
 from pardist.step._specs import P
 from pardist.step._tracker import Tracker
 
@@ -170,6 +170,7 @@ class Step:
             self._check_not_consumed(leaves, args)
         check = self.calls == 0 or debug_enabled()
         if check:
+            _devices.check(args, self.where)  # a batch on another device than the params
             self._check_inputs(args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
         donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
