@@ -62,3 +62,23 @@ def test_a_batch_on_another_device_is_an_error(world1):
     # a 0-dimensional tensor on another device is fine (as torch allows for CPU scalars)
     out = step({"w": torch.ones(3), "s": torch.zeros((), device="meta")}, (torch.ones(2, 3),))
     torch.testing.assert_close(out, torch.full((3,), 2.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_placement_and_step_randomness_on_cuda():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "cuda_placement.py"
+    env = {k: v for k, v in os.environ.items() if k != "PARDIST_DEVICE"}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert lines["params"] == "['cuda:0']" and lines["pinned"] == "True", out.stdout
+    assert lines["batches"] == "['cuda:0']" and lines["grads"] == "['cuda:0']", out.stdout
+    assert lines["cuda_rng_restored"] == "True" and lines["masks_differ"] == "True", out.stdout
+    assert lines["replayed"] == "True" and lines["error"] == "True", out.stdout
