@@ -39,6 +39,7 @@ from pardist.runtime._process import (
     world_size,
 )
 from pardist.runtime._progress import get_logger, print0, progress
+from pardist.runtime._rng import rng_count, set_rng_count
 from pardist.runtime._seed import rank_seed, seed_everything, seed_worker
 from pardist.runtime._warnings import DuplicateBatchWarning, NonFiniteLossWarning
 from pardist.sharding._fsdp import fsdp
@@ -89,8 +90,10 @@ __all__ = [
     "rank",
     "rank0_first",
     "rank_seed",
+    "rng_count",
     "seed_everything",
     "seed_worker",
+    "set_rng_count",
     "shard_map",
     "shutdown",
     "spawn",

@@ -29,7 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 from pardist.data import _even, _gather
 from pardist.data._download import untar
 from pardist.data._even import Even, check_even, even
-from pardist.runtime import _mesh, _process, _seed
+from pardist.runtime import _mesh, _placement, _process, _seed
 from pardist.runtime._context import debug_enabled
 
 __all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "untar"]
@@ -96,6 +96,7 @@ class ShardedLoader:
         split_batches: bool,
         seed: int | None,
         check: bool,
+        device: tuple = (None, False),
     ):
         self.loader, self.dataset = loader, loader.dataset
         self.rank, self.world_size, self.split_batches = rank, world_size, split_batches
@@ -129,13 +130,14 @@ class ShardedLoader:
         self.epoch = 0
         self._check = check
         self._indices, self._generator = _Indices(), torch.Generator()
+        self.device, self._only_cpu = device
         self._inner = DataLoader(
             self.dataset,
             batch_size=self.batch_size,
             sampler=self._indices,
             drop_last=self.drop_last and not split_batches,
             generator=self._generator,
-            **_options(loader),
+            **_placement.pinned(_options(loader), self.device),
         )
 
     def __len__(self) -> int:
@@ -215,7 +217,7 @@ class ShardedLoader:
         # mixed with the rank, so that augmentation differs between ranks.
         draw = int(torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator))
         self._generator.manual_seed(_seed.rank_seed(draw, self.rank))
-        batches = iter(self._inner)
+        batches = _placement.moved(iter(self._inner), self.device, self._only_cpu)
         yield from _even.lockstep(batches, _WHERE) if share and debug_enabled() else batches
 
     def __repr__(self) -> str:
@@ -286,6 +288,7 @@ def shard(
     split_batches: bool = False,
     seed: int | None = None,
     axis: str | tuple[str, ...] | None = None,
+    device: Any = "auto",
 ) -> ShardedLoader:
     """This rank's share of ``loader``: fastai's ``DistributedDL`` over a torch DataLoader.
 
@@ -323,6 +326,10 @@ def shard(
         seed: the shuffle seed; default the loader's generator's seed, else 0.
         axis: take rank and world size from this mesh axis instead (for meshes
             whose other axes hold model parallelism).
+        device: where batches are delivered: ``'auto'`` (the default) moves CPU
+            tensors to :func:`pardist.device` (from pinned memory, non-blocking,
+            when that is a GPU; nothing to do on a CPU machine); a device moves
+            every tensor there; None yields them as the loader made them.
 
     Returns:
         A :class:`ShardedLoader`.
@@ -357,4 +364,5 @@ def shard(
         split_batches=split_batches,
         seed=seed,
         check=not explicit,
+        device=_placement.resolve(device, _WHERE),
     )

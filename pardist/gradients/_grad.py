@@ -26,7 +26,7 @@ import torch.func
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives, _vma
-from pardist.gradients import _bucketed, _microbatch, _perrank, _traced_grad
+from pardist.gradients import _bucketed, _depends, _microbatch, _perrank, _traced_grad
 from pardist.gradients._bucketed import Call
 from pardist.runtime import _tree
 from pardist.runtime._compat import functorch
@@ -155,6 +155,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
             f"{where}: batch_argnums names a differentiated input that is replicated over "
             "the step's axis; only this rank's shard of the batch can be split."
         )
+    f = _depends.watched(f, nums, has_aux, where)  # model(x) instead of apply: an error
     call = Call(f, nums, has_aux, k, mean, args, kwargs, where, flat, masks, carry)
     call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
     call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1

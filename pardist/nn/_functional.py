@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from pardist.collectives import _collectives
-from pardist.nn import _batchnorm
-from pardist.runtime import _tree
+from pardist.nn import _batchnorm, _frozen
+from pardist.runtime import _placement, _tree
 from pardist.runtime._context import current_step
 from pardist.sharding import _apply, _units
 
@@ -60,6 +60,15 @@ class _Slots:
                 table = getattr(skeleton.get_submodule(owner), kind)
                 self.places.append((table, attr, kind, first.setdefault(id(t), name), t))
 
+    def frozen(self, names: set[str]) -> None:
+        """Frozen parameters (``requires_grad=False``) are passed with the buffers."""
+        self.kinds["_parameters"] -= names
+        self.kinds["_buffers"] |= names
+        self.places = [
+            (table, attr, "_buffers" if name in names else kind, name, meta)
+            for table, attr, kind, name, meta in self.places
+        ]
+
     def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict) -> Any:
         for kind, given in (("_parameters", params), ("_buffers", buffers)):
             if given.keys() != self.kinds[kind]:
@@ -86,7 +95,7 @@ class _Slots:
 
 
 def functional(
-    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto"
+    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto", device: Any = "auto"
 ) -> tuple[Callable, dict, dict]:
     """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
 
@@ -108,10 +117,16 @@ def functional(
             ``(path, module) -> bool``, or None (all gathered for the whole apply).
             Parameters outside every unit, and tied ones, stay gathered for the
             whole forward.
+        device: where the returned params and buffers live: ``'auto'`` puts those
+            on the CPU on :func:`pardist.device` (the local GPU, else the CPU, so
+            the same script runs on both); a device moves all of them there;
+            None leaves them on the module's device.
 
     Returns:
         ``(apply, params, buffers)``: detached copies of the parameters and
-        buffers, keyed by their ``named_parameters`` / ``named_buffers`` names,
+        buffers, keyed by their ``named_parameters`` / ``named_buffers`` names
+        (frozen parameters, ``requires_grad=False``, are in ``buffers``: they get
+        no gradient and no update, as in plain torch),
         and ``apply(params, buffers, *inputs, train=True, **kwargs) ->
         (outputs, new_buffers)``, which mutates none of its arguments.
 
@@ -125,10 +140,14 @@ def functional(
     """
     params = {name: p.detach().clone() for name, p in module.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    frozen = _frozen.split(module, params, buffers)  # requires_grad=False: with the buffers
+    target, only_cpu = _placement.resolve(device, f"pardist.functional({type(module).__name__})")
+    params, buffers = _placement.move((params, buffers), target, only_cpu)
     skeleton = _meta_skeleton(module)
     where = f"pardist.functional({type(module).__name__})"
     _batchnorm.prepare(skeleton, where)
     slots = _Slots(skeleton)
+    slots.frozen(frozen)
     mode = {"train": skeleton.training}
     units = _units.check_policy(fsdp_units)
     fsdp = _apply.Runner(skeleton, slots, units, f"{where}.apply")
@@ -137,7 +156,7 @@ def functional(
         if mode["train"] != train:
             skeleton.train(train)
             mode["train"] = train
-        new_buffers = {name: b.clone() for name, b in buffers.items()}
+        new_buffers = {name: b if name in frozen else b.clone() for name, b in buffers.items()}
         # Batch statistics over the step's axis, for every batch norm (see _batchnorm).
         with _batchnorm.synchronised(skeleton if sync_bn else None, train and sync_bn, where):
             if _apply.has_shards(params):  # pardist.fsdp: each unit gathered as it runs
@@ -146,7 +165,9 @@ def functional(
                 out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.size > 1:
-            stats = {k: v for k, v in new_buffers.items() if v.is_floating_point()}
+            stats = {
+                k: v for k, v in new_buffers.items() if v.is_floating_point() and k not in frozen
+            }
             if ctx.plan is not None:  # a compiled step: averaged here, in its graph
                 new_buffers.update(
                     _collectives.pmean(_tree.tree_map(torch.detach, stats), ctx.axis)

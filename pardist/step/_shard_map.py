@@ -32,9 +32,9 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _collectives, _vma
 from pardist.compile import _step
 from pardist.optim._sharded import ShardedState
-from pardist.runtime import _mesh, _tree
+from pardist.runtime import _mesh, _rng, _tree
 from pardist.runtime._context import StepContext, debug_enabled, entered
-from pardist.step import _replication, _specs
+from pardist.step import _devices, _replication, _specs
 from pardist.step._specs import P
 from pardist.step._tracker import Tracker
 
@@ -170,16 +170,18 @@ class Step:
             self._check_not_consumed(leaves, args)
         check = self.calls == 0 or debug_enabled()
         if check:
+            _devices.check(args, self.where)  # a batch on another device than the params
             self._check_inputs(args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
         donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
         out, typed_problem = _step.EAGER, None
-        if self.compiled is not None:
-            out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
-        if out is _step.EAGER:
-            out, typed_problem = self._run_eager(
-                args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter
-            )
+        with _rng.stream(mesh.index(axes) if axes else 0):  # dropout: per rank and step
+            if self.compiled is not None:
+                out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
+            if out is _step.EAGER:
+                out, typed_problem = self._run_eager(
+                    args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter
+                )
         self.calls += 1
         if check:
             self._check_outputs(out, mesh, axes, typed_problem)

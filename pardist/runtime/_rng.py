@@ -1,0 +1,100 @@
+"""Random numbers inside a step: a stream per rank and step, derived from the seed.
+
+``seed_everything(0)`` on every rank (needed so that replicas start alike) would
+otherwise give every rank the same dropout mask, so N ranks would not be one
+process on the concatenated batch. As in JAX (``fold_in(key, axis_index)``), a
+step draws from a stream derived from three numbers: the seed
+(``torch.initial_seed()``, what ``seed_everything`` set), the rank's index along
+the step's data axes, and the count of steps run so far in this process. The
+global generators (CPU and the current accelerator) are seeded with it for the
+step and restored afterwards, so randomness outside steps (augmentation,
+shuffling) is untouched.
+
+Reproducible across restarts: save :func:`rng_count` in the checkpoint and give
+it back with :func:`set_rng_count` after loading.
+
+The hook for other index schemes (the deterministic mode's row groups):
+``stream(index)`` takes any int, and a ``stream`` entered inside another one
+reseeds from ``(seed, index, the outer step's count)`` without counting a step,
+so each row group can draw from its own stream, the same at every world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["rng_count", "set_rng_count", "stream"]
+
+_state = {"count": 0, "depth": 0, "seed": 0}
+
+
+def rng_count() -> int:
+    """How many steps have drawn from pardist's step streams in this process.
+
+    Save it with the checkpoint and restore it with :func:`set_rng_count`, so that
+    a resumed run draws the same dropout masks as an uninterrupted one.
+
+    Example:
+        >>> import pardist
+        >>> n = pardist.rng_count()
+        >>> pardist.set_rng_count(n)
+    """
+    return _state["count"]
+
+
+def set_rng_count(n: int) -> None:
+    """Continue the step streams from ``n`` (a value :func:`rng_count` returned)."""
+    if isinstance(n, torch.Tensor):
+        n = int(n)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(
+            f"pardist.set_rng_count: n={n!r}; give the non-negative int that "
+            "pardist.rng_count() returned when the checkpoint was saved."
+        )
+    _state["count"] = n
+
+
+def derive(seed: int, index: int, count: int) -> int:
+    """The stream's seed: a hash of (seed, index, count), below ``2**63``."""
+    text = f"pardist-step-rng:{seed}:{index}:{count}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def _seed(value: int, device: torch.device | None) -> None:
+    torch.default_generator.manual_seed(value)
+    if device is not None:
+        getattr(torch, device.type).manual_seed(value)  # the current device only
+
+
+def _accelerator() -> torch.device | None:
+    from pardist.runtime import _process
+
+    dev = _process.device()
+    return dev if dev.type == "cuda" else None
+
+
+@contextlib.contextmanager
+def stream(index: int) -> Iterator[None]:
+    """Draw random numbers from the stream of ``index`` (a rank, a row group) and this step.
+
+    Outermost: the global generators are saved, seeded, and restored on exit, and
+    the step count advances. Nested: reseeded for ``index`` at the same count.
+    """
+    if _state["depth"] > 0:
+        _seed(derive(_state["seed"], index, _state["count"]), _accelerator())
+        yield
+        return
+    device = _accelerator()
+    with torch.random.fork_rng(devices=[device] if device is not None else []):
+        _state["seed"] = torch.initial_seed()
+        _seed(derive(_state["seed"], index, _state["count"]), device)
+        _state["depth"] += 1
+        try:
+            yield
+        finally:
+            _state["depth"] -= 1
+            _state["count"] += 1

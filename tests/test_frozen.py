@@ -1,0 +1,98 @@
+"""Frozen parameters (requires_grad=False) get no gradient and no update, as in plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import pardist
+from pardist import optim
+
+STEPS = 3
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    net[0].requires_grad_(False)  # a frozen body, fine-tuned head (fastai's fine_tune)
+    net[2].weight.requires_grad_(False)
+    return net
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(24, 8, generator=g), torch.randint(0, 4, (24,), generator=g)
+
+
+def plain_torch() -> dict:
+    """One process, torch.optim.SGD with weight decay over all parameters."""
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _full(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor().reshape(like.shape) if isinstance(t, DTensor) else t
+
+
+def train(mode: str) -> tuple[dict, dict, list]:
+    net = model()
+    initial = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    apply, params, buffers = pardist.functional(net)
+    base = optim.sgd(0.1, momentum=0.9, weight_decay=1e-2)
+    opt = optim.sharded(base) if mode == "zero" else base
+    if mode == "fsdp":
+        params = pardist.fsdp(params)
+    state = opt.init(params)
+
+    def loss(p, b, x, y):
+        return F.cross_entropy(apply(p, b, x)[0], y)
+
+    @pardist.data_parallel
+    def step(p, s, b, xy):
+        g = pardist.grad(loss)(p, b, *xy)
+        p, s = opt.update(g, s, p)
+        return p, s, sorted(g)
+
+    rank, world = pardist.rank(), pardist.world_size()
+    for s in range(STEPS):
+        x, y = batch(s)
+        params, state, names = step(
+            params, state, buffers, (x.chunk(world)[rank], y.chunk(world)[rank])
+        )
+    full = {k: _full(v, initial[k]) for k, v in params.items()}
+    net.load_state_dict({**full, **buffers}, strict=True)  # export still works
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}, initial, names
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+@pytest.mark.parametrize("mode", ["plain", "zero", "fsdp"])
+def test_frozen_parameters_stay_frozen(run, nprocs, mode):
+    reference = plain_torch()
+    for ours, initial, names in run(nprocs, train, mode):
+        assert names == ["2.bias", "4.bias", "4.weight"]  # no gradient for the frozen ones
+        for k in ("0.weight", "0.bias", "2.weight"):
+            assert torch.equal(ours[k], initial[k]), k  # bit-identical, weight decay included
+            assert torch.equal(reference[k], initial[k]), k
+        for k in ("2.bias", "4.weight", "4.bias"):
+            assert not torch.equal(ours[k], initial[k]), k
+            torch.testing.assert_close(ours[k], reference[k], rtol=1e-5, atol=1e-6)
+
+
+def test_functional_keeps_frozen_parameters_with_the_buffers():
+    net = model()
+    apply, params, buffers = pardist.functional(net)
+    assert set(params) == {"2.bias", "4.weight", "4.bias"}
+    assert set(buffers) == {"0.weight", "0.bias", "2.weight"}
+    x = torch.randn(5, 8)
+    out, new_buffers = apply(params, buffers, x)
+    torch.testing.assert_close(out, net(x), rtol=0, atol=0)
+    assert set(new_buffers) == set(buffers)
