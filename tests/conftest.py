@@ -23,6 +23,9 @@ os.environ.setdefault("PARDIST_DEVICE", "cpu")
 
 from pardist.launch._spawn import SpawnError, Workers  # noqa: E402
 
+# Scripts run as processes of their own (python, torchrun); importing them would run them.
+collect_ignore_glob = ["scripts/*"]
+
 CALL_TIMEOUT = 120.0
 
 
