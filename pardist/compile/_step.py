@@ -122,11 +122,11 @@ def make_plan(step: Any, mesh: _mesh.Mesh, axes: tuple, sharded, donated, scatte
 def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
     """The function dynamo traces: the step inside a context of the plan's constants.
 
-    The step sees aliases of its inputs, made inside the graph: pardist tells
-    inputs apart by ``id()``, which dynamo would guard on (recompiling for every
-    new tensor) for the inputs themselves but not for tensors the graph made.
-    Writes through an alias reach the input (donation), and a donated input the
-    step returns comes back as the input itself, as in the eager step.
+    The step sees aliases of its inputs, made inside the graph, and the context
+    holds those aliases themselves (not their ``id()``: dynamo cannot trace the id
+    of a tensor the graph made, torch 2.11, and guards on the ids of inputs). Writes
+    through an alias reach the input (donation), and a donated input the step
+    returns comes back as the input itself, as in the eager step.
     """
     leaves, treedef = _tree.tree_flatten(args)
     seen = [x.view_as(x) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -140,9 +140,9 @@ def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
         mesh=None,
         axis=plan.axis,
         size=plan.size,
-        varying={id(seen[i]) for i in plan.sharded},
-        donated={id(seen[i]) for i in plan.donated},
-        inputs={id(x) for x in seen},
+        varying=[seen[i] for i in plan.sharded],
+        donated=[seen[i] for i in plan.donated],
+        inputs=[x for x in seen if isinstance(x, torch.Tensor)],
         reducers={},
         scatter=plan.scatter,
         compression=plan.compression,
@@ -157,10 +157,16 @@ def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
         _context._active.pop()
     if not plan.donated:
         return out
-    back = {id(seen[i]): i for i in plan.donated}
-    return _tree.tree_map(
-        lambda y: leaves[back[id(y)]] if isinstance(y, torch.Tensor) and id(y) in back else y, out
-    )
+    return _tree.tree_map(lambda y: _donated_input(y, seen, leaves, plan.donated), out)
+
+
+def _donated_input(y, seen: list, leaves: list, donated: tuple[int, ...]):
+    """The caller's own input where the step returns its alias of a donated input."""
+    if isinstance(y, torch.Tensor):
+        for i in donated:
+            if y is seen[i]:
+                return leaves[i]
+    return y
 
 
 def _own_code(f: types.FunctionType) -> types.FunctionType:
@@ -179,10 +185,11 @@ def _reason(e: BaseException) -> str:
     for line in lines:  # an error the step raised while traced: dynamo names it here
         if "raised exception " in line:
             return line.split("raised exception ", 1)[1][:500]
-    for line in lines[1:4]:
-        if line.startswith(("Explanation:", "Hint:")) or "line " in line:
-            head += " " + line
-    return f"{type(e).__name__}: {head}"[:500]
+    explanation = [line[:240] for line in lines[1:4] if line.startswith("Explanation:")]
+    # The user's line that dynamo stopped at: its last 'File "...", line N' and the code.
+    at = [i for i, line in enumerate(lines) if line.startswith('File "') and ", line " in line]
+    code = lines[at[-1] : at[-1] + 2] if at else [x for x in lines[1:4] if "line " in x]
+    return f"{type(e).__name__}: " + " ".join([head, *explanation, *code])[:700]
 
 
 class _Refused(RuntimeError):

@@ -30,7 +30,7 @@ from pardist.gradients import _bucketed, _depends, _microbatch, _perrank, _trace
 from pardist.gradients._bucketed import Call
 from pardist.runtime import _tree
 from pardist.runtime._compat import functorch
-from pardist.runtime._context import current_step
+from pardist.runtime._context import current_step, holds
 from pardist.runtime._layout import laid_out_like
 
 __all__ = ["grad", "value_and_grad"]
@@ -140,7 +140,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     # reduce-scatters their gradients, so they take no part in the all-reduce.
     replicated = [
         ctx is not None
-        and id(t) not in ctx.varying
+        and not holds(ctx.varying, t)
         and _vma.invariant_over_data(t)
         and not isinstance(t, DTensor)
         for t in leaves

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.runtime import _tree
+from pardist.runtime._context import holds
 
 __all__ = ["UNSET", "batch_masks", "check_carry", "concat", "rows", "split", "stack"]
 
@@ -75,7 +76,7 @@ def batch_masks(
         ]
     masks: Masks = []
     for leaves, _ in flat:
-        flags = [id(x) in ctx.varying and _is_batchable(x) for x in leaves]
+        flags = [holds(ctx.varying, x) and _is_batchable(x) for x in leaves]
         masks.append(flags if any(flags) else None)
     if strict:
         _check_placed(flat, nums, masks, ctx, where)
@@ -98,7 +99,7 @@ def _check_placed(flat: list, nums: tuple, masks: Masks, ctx: Any, where: str) -
             continue
         flags = masks[i] or [False] * len(leaves)
         for k, (x, flag) in enumerate(zip(leaves, flags)):
-            if not flag and _is_batchable(x) and id(x) not in ctx.inputs and x.shape[0] in found:
+            if not flag and _is_batchable(x) and not holds(ctx.inputs, x) and x.shape[0] in found:
                 path = _paths(treedef, i)[k]
                 named = tuple(sorted([j for j, m in enumerate(masks) if m] + [i]))
                 raise ValueError(

@@ -38,8 +38,9 @@ class StepContext:
     mesh: Mesh
     axis: tuple[str, ...]
     size: int  # product of the axis sizes
-    varying: set[int]  # ids of input leaves sharded over the step's axis
-    donated: set[int]  # ids of input leaves the caller donated
+    # Input leaves by id (eager), or the leaves themselves in a traced step: see holds().
+    varying: set[int] | list[torch.Tensor]  # sharded over the step's axis
+    donated: set[int] | list[torch.Tensor]  # donated by the caller
     reducers: dict[Any, Any]  # persistent across calls: reducers by key, agreed row totals
     scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
     # Tensors made in the step that must end it averaged over the axis (batch-norm
@@ -49,7 +50,7 @@ class StepContext:
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
-    inputs: set[int] = dataclasses.field(default_factory=set)  # ids of every input leaf
+    inputs: set[int] | list[torch.Tensor] = dataclasses.field(default_factory=set)  # every leaf
     # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
     # pardist.grad does not report them.
     loss_scaled: bool = False
@@ -84,21 +85,39 @@ def entered(ctx: StepContext) -> Iterator[StepContext]:
 def is_donated(tensors: list[torch.Tensor]) -> bool:
     """Whether every tensor was donated to the running step (so may be updated in place)."""
     ctx = current_step()
-    return bool(ctx and tensors) and all(id(t) in ctx.donated for t in tensors)
+    return ctx is not None and len(tensors) > 0 and all(holds(ctx.donated, t) for t in tensors)
+
+
+def holds(group: set[int] | list[torch.Tensor], t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of ``group``: ids in eager steps (a set lookup), the
+    tensors themselves in a traced step (dynamo cannot trace ``id()`` of a tensor the
+    graph made, torch 2.11; ``is`` it can)."""
+    if isinstance(group, list):
+        return any(x is t for x in group)
+    return id(t) in group
 
 
 @contextlib.contextmanager
 def donating(tensors: list[torch.Tensor]) -> Iterator[None]:
     """Treat ``tensors`` (buffers pardist owns) as donated inside the running step."""
     ctx = current_step()
-    added = set() if ctx is None else {id(t) for t in tensors} - ctx.donated
-    if ctx is not None:
-        ctx.donated |= added
+    if ctx is None:
+        yield
+        return
+    added = [t for t in tensors if not holds(ctx.donated, t)]
+    traced = isinstance(ctx.donated, list)
+    ids = set() if traced else {id(t) for t in added}
+    if traced:
+        ctx.donated.extend(added)
+    else:
+        ctx.donated |= ids
     try:
         yield
     finally:
-        if ctx is not None:
-            ctx.donated -= added
+        if traced:
+            del ctx.donated[len(ctx.donated) - len(added) :]
+        else:
+            ctx.donated -= ids
 
 
 _shard_groups: list = []
