@@ -9,6 +9,7 @@ code generation); the MLP case runs the default backend, inductor, end to end.
 from __future__ import annotations
 
 import collections
+import random
 import warnings
 
 import helpers
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 import pardist
 from pardist import optim
@@ -350,3 +352,66 @@ def test_fsdp_parameters_run_eagerly_with_one_warning(run):
         assert len(said) == 1, said  # FSDP's per-module gathers are eager code
         for k in eager:
             assert torch.equal(compiled[k], eager[k]), k
+
+
+def _cast(t, dtype):
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def _varying_shapes(schedule: list):
+    """A compiled BN MLP (SGD momentum) fed batches of changing size and dtype."""
+    counter = _Counter("aot_eager")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
+    apply, params, buffers = pardist.functional(model)
+    opt = optim.sgd(0.1, momentum=0.9)
+
+    def step(p, b, s, batch):
+        def loss_fn(p, b, x, y):
+            out, b = apply(p, b, x)
+            return F.mse_loss(out, y), b
+
+        (loss, b), g = pardist.value_and_grad(loss_fn, has_aux=True)(p, b, *batch)
+        p, s = opt.update(g, s, p)
+        return p, b, s, loss
+
+    runs = {}
+    caught = []
+    for compile in (False, {"backend": counter}):
+        dp = pardist.data_parallel(step, compile=compile)
+        p, b, s = params, buffers, opt.init(params)
+        g = torch.Generator().manual_seed(1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for rows, dtype in schedule:  # rows per rank
+                x = torch.randn(2, rows, 4, generator=g)[pardist.rank()]
+                y = x.sum(1, keepdim=True)
+                p, b, s = (tree_map(lambda t, d=dtype: _cast(t, d), t) for t in (p, b, s))
+                p, b, s, _ = dp(p, b, s, (x.to(dtype), y.to(dtype)))
+        caught = [str(w.message) for w in seen if "pardist" in str(w.message)]
+        runs[bool(compile)] = tree_map(lambda t: _cast(t, torch.float64), p)
+    return runs[False], runs[True], caught, len(counter.graphs)
+
+
+def test_compiled_step_never_crashes_on_fifty_batch_sizes(run):
+    sizes = list(range(1, 51))  # rows per rank, one row per rank included
+    random.Random(0).shuffle(sizes)
+    for eager, compiled, warned, graphs in run(
+        2, _varying_shapes, [(n, torch.float32) for n in sizes], timeout=LIMIT * 3
+    ):
+        assert not warned, warned  # one dynamic graph serves them: no fallback
+        assert graphs <= 4, graphs  # the first size, the dynamic graph, one row per rank
+        for k in eager:
+            torch.testing.assert_close(compiled[k], eager[k], rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_step_follows_dtype_changes(run):
+    f32, f64 = torch.float32, torch.float64
+    schedule = [(4, f32), (4, f32), (4, f64), (4, f64), (4, f32), (4, f32)]
+    for eager, compiled, warned, graphs in run(2, _varying_shapes, schedule, timeout=LIMIT):
+        assert not warned, warned
+        assert graphs == 2, graphs  # one per dtype; back to float32 reuses the first
+        for k in eager:
+            torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6)

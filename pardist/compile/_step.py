@@ -192,6 +192,11 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: " + " ".join([head, *explanation, *code])[:700]
 
 
+# Distinct input signatures (shapes, dtypes) a step compiles for before it runs eagerly:
+# within dynamo's recompile limit (8), so that varying shapes never crash a step.
+MAX_SIGNATURES = 6
+
+
 class _Refused(RuntimeError):
     """Another rank could not compile the step: every rank runs it eagerly."""
 
@@ -261,6 +266,10 @@ class CompiledStep:
         self.plans: dict = {}
         self.fallback: str | None = None  # why the step runs eagerly, once decided
         self.calls = 0
+        self.signatures: list = []  # the inputs' (shape, dtype)s compiled for, in order
+        self.batches: list = []  # their sharded inputs' (shape, dtype)s, for warnings
+        self.sizes: tuple | None = None  # the first call's batch sizes
+        self.dynamic = False  # whether the batch dimension is marked dynamic
 
     def __call__(self, step: Any, args: tuple, kwargs: dict, mesh, axes, sharded, donated, scatter):
         if self.fallback is not None:
@@ -287,6 +296,9 @@ class CompiledStep:
             self.plans[key] = make_plan(step, mesh, axes, varying, donated, scatter)
         first = self.calls == 0
         self.calls += 1
+        if self._changed(leaves, self.plans[key].sharded):
+            _warn(step.where, self.fallback)
+            return EAGER
         self.backend.agreeing, self.backend.verdict = first, None
         try:
             if not first:
@@ -297,7 +309,11 @@ class CompiledStep:
                 return self.compiled(step.fn, self.plans[key], args, kwargs)
         except Exception as e:
             if not first:
-                raise
+                if not any(k in type(e).__name__ for k in ("RecompileLimit", "CacheLimit")):
+                    raise
+                self.fallback = f"{_reason(e)}; shapes seen: {self._shapes()}"
+                _warn(step.where, self.fallback)
+                return EAGER
             if self.backend.verdict is None:  # this rank failed before compiling
                 verdict = agree(_reason(e))
             else:  # the ranks agreed already (inside the backend)
@@ -309,6 +325,57 @@ class CompiledStep:
             return EAGER
         finally:
             self.backend.agreeing = False
+
+    def _changed(self, leaves: list, sharded: tuple[int, ...]) -> bool:
+        """Note the inputs' shapes and dtypes; True once they changed too often to compile.
+
+        Once a batch size differs from the first call's, the batch dimension of the
+        sharded inputs is marked dynamic: one graph for every batch size of 2 or more
+        (torch.compile's automatic dynamic shapes, without a recompile per size; sizes
+        0 and 1 get their own). Past MAX_SIGNATURES signatures, the step runs eagerly.
+        """
+        batch = [(tuple(leaves[i].shape), leaves[i].dtype) for i in sharded if _batched(leaves[i])]
+        sizes = tuple(shape[0] for shape, _ in batch)
+        if self.sizes is None:
+            self.sizes = sizes
+        dynamic = self.dynamic or sizes != self.sizes
+        signature = (
+            tuple((x.shape, x.dtype) for x in leaves if isinstance(x, torch.Tensor))
+            if not dynamic
+            else tuple(
+                (min(x.shape[0], 2), x.shape[1:], x.dtype)
+                if i in sharded and _batched(x)
+                else (x.shape, x.dtype)
+                for i, x in enumerate(leaves)
+                if isinstance(x, torch.Tensor)
+            )
+        )
+        if dynamic and not self.dynamic:
+            self.dynamic, self.signatures = True, [None]  # the first call's static graph
+        if signature not in self.signatures:
+            self.signatures.append(signature)
+            self.batches.append(batch)
+            if len(self.signatures) > MAX_SIGNATURES:
+                self.fallback = (
+                    f"its inputs came in {len(self.signatures)} signatures (shapes, dtypes), "
+                    f"more than the {MAX_SIGNATURES} graphs it compiles; shapes seen: "
+                    f"{self._shapes()}"
+                )
+                return True
+        if self.dynamic:
+            for i in sharded:
+                if _batched(leaves[i]):
+                    dynamo.maybe_mark_dynamic(leaves[i], 0)
+        return False
+
+    def _shapes(self) -> str:
+        """The sharded inputs' shapes and dtypes seen, shortest first, for a warning."""
+        seen = [", ".join(f"{s} {d}" for s, d in batch) for batch in self.batches]
+        return "; ".join(seen[:4]) + (f"; ... ({len(seen)} in all)" if len(seen) > 4 else "")
+
+
+def _batched(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
 def _warn(where: str, reason: str) -> None:

@@ -128,8 +128,10 @@ def rows(flat: list, masks: Masks) -> dict[str, int]:
         for k, (x, f) in enumerate(zip(leaves, m))
         if f
     ]
-    if len({n for _, _, n in sizes}) <= 1:
-        return {"": sizes[0][2]} if sizes else {}
+    if not sizes:
+        return {}
+    if all(n == sizes[0][2] for _, _, n in sizes):  # (no set: sizes may be symbolic)
+        return {"": sizes[0][2]}
     return {_paths(flat[i][1], i)[k]: n for i, k, n in sizes}
 
 

@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from pardist.collectives import _collectives
+from pardist.runtime._compat import assert_async
 from pardist.runtime._context import current_step
 
 __all__ = ["CrossReplicaBatchNorm", "convert_batchnorm", "prepare", "synchronised"]
@@ -79,12 +80,15 @@ def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
     """
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
-    if count and x.dtype in (torch.float32, torch.float64):
+    compiling = torch.compiler.is_compiling()
+    if count and x.dtype in (torch.float32, torch.float64) and not compiling:
         # torch's own batch-norm statistics kernel (a two-pass mean and biased
-        # variance): 2-5x faster than var_mean's Welford on CPU.
+        # variance): 2-5x faster than var_mean's Welford on CPU. (It has no fake
+        # kernel for dynamic shapes: a compiled step takes var_mean.)
         mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
     elif count:  # half precision: float32 statistics, as torch's kernels keep them
-        var, mean = torch.var_mean(x.float(), [0, *range(2, x.dim())], correction=0)
+        up = x if compiling and x.dtype == torch.float64 else x.float()
+        var, mean = torch.var_mean(up, [0, *range(2, x.dim())], correction=0)
     else:  # an empty shard contributes nothing (the kernels refuse empty inputs)
         var = mean = x.new_zeros(channels)
     # Sums (count, sum, sum of squares), so that one psum combines uneven shards,
@@ -93,15 +97,23 @@ def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
     mean, var = mean.double(), var.double()
     local = torch.cat([mean.new_ones(1), mean, _addcmul(var, mean, mean)]).mul_(count)
     total = _collectives.psum(local, axis)
-    if count <= 1 and float(total[0]) <= 1:  # with 2+ rows here, there are 2+ in all
-        raise ValueError(
-            f"{where()}: batch norm over the global batch needs more than 1 value per channel "
-            f"when training; the step's ranks hold {float(total[0]):.0f} in all (input "
-            f"shape {tuple(x.shape)} on this rank)."
-        )
+    if count <= 1:  # with 2+ rows here, there are 2+ in all
+        _check_rows(total[0], x, where)
     moments = total[1:] / total[:1]
     mean = moments[:channels]
     return total[:1], mean, (moments[channels:] - mean * mean).clamp_(min=0)
+
+
+def _check_rows(total: torch.Tensor, x: torch.Tensor, where) -> None:
+    """Refuse a global batch of one value per channel (its variance is undefined)."""
+    message = "batch norm over the global batch needs more than 1 value per channel when training"
+    if torch.compiler.is_compiling():  # a compiled step cannot branch on the total
+        assert_async(total > 1, f"pardist batch norm in a compiled step: {message}")
+    elif float(total) <= 1:
+        raise ValueError(
+            f"{where()}: {message}; the step's ranks hold {float(total):.0f} in all (input "
+            f"shape {tuple(x.shape)} on this rank)."
+        )
 
 
 def _addcmul(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float = 1.0):

@@ -40,6 +40,7 @@ __all__ = [
     "MINIMUM_TORCH",
     "DisableTorchFunctionSubclass",
     "TorchCompileInductorWrapper",
+    "assert_async",
     "dtensor_local",
     "dtensor_spec",
     "dynamo",
@@ -83,6 +84,10 @@ foreach_norm = torch._foreach_norm
 # with fused=True; CPU support since 2.4, the signature as called since 2.4.
 fused_adam_ = torch._fused_adam_
 fused_adamw_ = torch._fused_adamw_
+
+# torch._assert_async: a check on a tensor's value that a compiled graph can hold (Python
+# cannot branch on it there); raises when the graph runs. With a message since 2.1.
+assert_async = torch._assert_async
 
 # torch._TorchCompileInductorWrapper: the backend torch.compile builds for inductor from
 # (mode, options, dynamic), so compile=True accepts torch.compile's arguments; since 2.0.
