@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.runtime import _tree
+from pardist.runtime._compat import functorch
 
 __all__ = ["check", "watched"]
 
@@ -65,7 +66,7 @@ def check(value: torch.Tensor, leaves: list, argnums: tuple, where: str) -> bool
     """
     if not leaves or not isinstance(value, torch.Tensor):
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if functorch.peek_interpreter_stack() is not None:
         return False
     if torch.compiler.is_compiling():
         return False
