@@ -74,8 +74,9 @@ def one_process(model: nn.Module, x, y, steps: int = 2):
     return float(loss), grads, x.grad, {k: b.clone() for k, b in model.named_buffers()}
 
 
-def on_ranks(sizes, norm=NormAct, channels_last=False, steps: int = 2):
-    """pardist, rank r holding ``sizes[r]`` rows of the same batch."""
+def on_ranks(sizes, norm=NormAct, channels_last=False, steps: int = 2, mean="ranks"):
+    """pardist, rank r holding ``sizes[r]`` rows of the same batch; ``mean='rows'``: the
+    loss is each rank's own mean and pardist weighs the ranks by their rows."""
     apply, params, buffers = pardist.functional(net(norm, channels_last))
     x, y = data(sum(sizes))
     r = pardist.rank()
@@ -83,6 +84,8 @@ def on_ranks(sizes, norm=NormAct, channels_last=False, steps: int = 2):
 
     def loss_fn(p, b, x, y):
         out, nb = apply(p, b, x)
+        if mean == "rows":
+            return F.cross_entropy(out, y), nb
         # the global mean: this rank's sum over the global count, summed over ranks
         return F.cross_entropy(out, y, reduction="sum") * len(sizes) / sum(sizes), nb
 
@@ -91,7 +94,8 @@ def on_ranks(sizes, norm=NormAct, channels_last=False, steps: int = 2):
 
     @pardist.data_parallel(**specs)
     def step(p, b, x, y):
-        (loss, nb), (g, gx) = pardist.value_and_grad(loss_fn, (0, 2), has_aux=True)(p, b, x, y)
+        vg = pardist.value_and_grad(loss_fn, (0, 2), has_aux=True, mean=mean)
+        (loss, nb), (g, gx) = vg(p, b, x, y)
         return loss, g, gx, nb
 
     loss, grads, gx, new = step(params, buffers, x, y)
@@ -100,7 +104,7 @@ def on_ranks(sizes, norm=NormAct, channels_last=False, steps: int = 2):
     return float(loss), {k: v.clone() for k, v in grads.items()}, gx.clone(), new
 
 
-def check(results, sizes, norm=NormAct, channels_last=False):
+def check(results, sizes, norm=NormAct, channels_last=False, inputs=True):
     x, y = data(sum(sizes))
     loss1, grads1, gx1, buffers1 = one_process(net(norm, channels_last), x, y)
     for r, (loss, grads, gx, buffers) in enumerate(results):
@@ -108,8 +112,9 @@ def check(results, sizes, norm=NormAct, channels_last=False):
         for k in grads1:
             torch.testing.assert_close(grads[k], grads1[k], **TOL)
         # an input's gradient stays local: that of the sum of the ranks' losses
-        rows = gx1.split(sizes)[r]
-        torch.testing.assert_close(gx, rows * len(sizes), **TOL)
+        if inputs:
+            rows = gx1.split(sizes)[r]
+            torch.testing.assert_close(gx, rows * len(sizes), **TOL)
         for k in buffers1:
             torch.testing.assert_close(buffers[k], buffers1[k], **TOL)
     for other in results[1:]:  # replicas bit-identical
@@ -127,6 +132,13 @@ def test_every_kind_of_batch_norm_equals_one_process(run, transport):
 def test_uneven_and_empty_shards(run, sizes):
     # An empty shard contributes nothing (it used to make every rank NaN).
     check(run(len(sizes), on_ranks, sizes), sizes)
+
+
+@pytest.mark.parametrize("sizes", [[8, 4], [2, 4, 6]])
+def test_row_weighted_mean_with_uneven_shards(run, sizes):
+    # mean='rows' weighs each rank's backward by its rows, so that batch norm's
+    # cross-rank backward sums gradients of one objective (it was 7.8% off).
+    check(run(len(sizes), on_ranks, sizes, mean="rows"), sizes, inputs=False)
 
 
 def test_channels_last_and_sync_batchnorm(run):

@@ -217,3 +217,26 @@ def test_psum_scatter_and_all_to_all(run, shm):
         assert exchanged.tolist() == [[2.0 * r, 2.0 * r + 1, 2.0 * r + 10, 2.0 * r + 11]]
         assert torch.equal(back, z)
         assert gz.tolist() == [[1.0, 1.0], [2.0, 2.0]]  # row k went to rank k
+
+
+def _broadcast_mismatch(kind: str):
+    r = pardist.rank()
+    if kind == "shape":  # a (3,) source into a (5,) receiver used to fill [1, 1, 1, 2, 2]
+        tree = {"w": torch.full((3,) if r == 0 else (5,), float(r + 1))}
+    else:
+        tree = {"w": torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64)}
+    try:
+        pardist.broadcast(tree)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("env", [None, {"PARDIST_SHM": "0"}], ids=["shm", "gloo"])
+@pytest.mark.parametrize("kind", ["shape", "dtype"])
+def test_broadcast_refuses_a_tree_of_other_shapes(run, env, kind):
+    messages = run(2, _broadcast_mismatch, kind, env=env)
+    for msg in messages:  # every rank raises, none is left waiting
+        assert msg is not None and "pardist.broadcast" in msg
+        assert "tree['w']" in msg and "on index 1" in msg, msg
+        assert ("(5,)" in msg and "(3,)" in msg) if kind == "shape" else "float64" in msg

@@ -337,6 +337,7 @@ def broadcast(tree: Any, axis: str | tuple[str, ...] = "gpu", *, src: int = 0) -
         return _map(tree, "pardist.broadcast", lambda x: x.detach().clone())
     group = mesh.group(axis, "broadcast")
     source = dist.get_global_rank(group, src)
+    _agree(tree, group, src, names)
     state = _vma.current()
 
     def send(x: torch.Tensor) -> torch.Tensor:
@@ -348,6 +349,36 @@ def broadcast(tree: Any, axis: str | tuple[str, ...] = "gpu", *, src: int = 0) -
         return state.set(y, v - frozenset(names)) if state is not None else y
 
     return _map(tree, "pardist.broadcast", send)
+
+
+def _agree(tree: Any, group, src: int, names: tuple) -> None:
+    """Every rank's tree must have the source's shapes and dtypes: a broadcast into a
+    tensor of another size would fill part of it silently (or abort inside gloo)."""
+    mine = [
+        (path, tuple(x.shape), str(x.dtype))
+        for path, x in _tree.leaves_with_paths(tree, "tree")
+        if isinstance(x, torch.Tensor)
+    ]
+    everyone: list = [None] * dist.get_world_size(group)
+    with _faults.collective_errors("pardist.broadcast", group):
+        dist.all_gather_object(everyone, mine, group=group)
+    source = everyone[src]
+    for index, theirs in enumerate(everyone):
+        if theirs == source:
+            continue
+        if len(theirs) != len(source):
+            problem = f"{len(theirs)} tensors on index {index}, {len(source)} on the source"
+        else:
+            a, b = next((a, b) for a, b in zip(theirs, source) if a != b)
+            problem = (
+                f"{a[0]} is {a[1]} {a[2]} on index {index} but {b[1]} {b[2]} on the "
+                f"source (index {src})"
+            )
+        raise ValueError(
+            f"pardist.broadcast over {names}: every rank must pass a tree of the source's "
+            f"shapes and dtypes; {problem}. Build the receiving tree like the source's "
+            "(the same model and arguments on every rank)."
+        )
 
 
 def axis_index(axis: str | tuple[str, ...]) -> int:

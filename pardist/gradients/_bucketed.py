@@ -197,7 +197,9 @@ class _HandOver:
             like = table + list(pending) + rep
             self.reducer = _reducer(self.ctx, like) if reduce else Reducer(like, [], 1)
             self.base = self.carry + len(pending)
-        self.reducer.begin(accumulate, self.divisor)
+        # A row-weighted mean weighs the backward's seed instead (see compute): every
+        # rank's contributions are then summed over the ranks' mean like any others.
+        self.reducer.begin(accumulate, None)
 
     def __call__(self, index: int, grad: torch.Tensor) -> None:
         if self.empty and self.divisor is not None:
@@ -239,6 +241,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     divisor = None
     if call.mean == "rows" and reduce:
         divisor = _rows_divisor(ctx, rep, call.rows, exact=scatter)
+        weight = ctx.size / divisor  # 0.0 for a rank without rows
     # One pass with an all-reduce: the reducer is made after the forward, so that the
     # statistics the forward left to average (batch norm with sync_bn=False) ride in
     # the gradient buckets instead of costing a collective of their own.
@@ -277,10 +280,18 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             for m, t in enumerate(pending):
                 hand.reducer.add(1 + m, t, divisor=ctx.size)
         if value.requires_grad:
-            got = torch.autograd.grad(value, inputs, _vma.seed(value), allow_unused=True)
+            seed = _vma.seed(value)
+            if divisor is not None:
+                # mean='rows': this rank's loss weighs rows / total (times the ranks,
+                # whose mean the reducer takes). In the seed, not on the gradients, so
+                # that cross-rank backwards (sync batch norm) see one weighted objective.
+                seed = (torch.ones_like(value) if seed is None else seed) * weight
+            got = torch.autograd.grad(value, inputs, seed, allow_unused=True)
             for i, g in enumerate(got):
                 if g is None or (hand.reducer is not None and replicated[i]):
                     continue
+                if divisor is not None and weight:  # a rank's own gradients: unweighted
+                    g = g / weight
                 if call.split[i] and k > 1:
                     parts[i][j] = g
                 else:
