@@ -76,3 +76,23 @@ def test_nested_streams_reseed_by_index():
         with _rng.stream(6):
             c = torch.rand(3)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _compiled_masks():
+    pardist.seed_everything(0)
+    pardist.set_rng_count(0)
+
+    @pardist.data_parallel(compile=True)
+    def step(w, x):
+        return pardist.all_gather(F.dropout(x * w, 0.5), "gpu") != 0
+
+    x = torch.ones(4, 16).chunk(2)[pardist.rank()]
+    masks = [step(torch.ones(16), x) for _ in range(3)]
+    pardist.set_rng_count(1)
+    return masks, step(torch.ones(16), x)
+
+
+def test_a_compiled_step_draws_per_rank_and_step(run):
+    (masks, replay), _ = run(2, _compiled_masks)
+    assert not torch.equal(masks[0][:2], masks[0][2:])  # rank 0's rows and rank 1's
+    assert not torch.equal(masks[0], masks[1]) and torch.equal(replay, masks[1])

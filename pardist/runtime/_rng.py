@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["rng_count", "set_rng_count", "stream"]
+__all__ = ["rank_index", "rng_count", "set_rng_count", "stream"]
 
 _state = {"count": 0, "depth": 0, "seed": 0}
 
@@ -64,17 +65,26 @@ def derive(seed: int, index: int, count: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
-def _seed(value: int, device: torch.device | None) -> None:
+def _seed(value: int, cuda: bool) -> None:
     torch.default_generator.manual_seed(value)
-    if device is not None:
-        getattr(torch, device.type).manual_seed(value)  # the current device only
+    if cuda:
+        torch.cuda.manual_seed(value)  # the current device only
 
 
-def _accelerator() -> torch.device | None:
-    from pardist.runtime import _process
+def _cuda() -> bool:
+    """Whether CUDA is in use (initialised: a step's tensors can be there)."""
+    return torch.cuda.is_initialized()
 
-    dev = _process.device()
-    return dev if dev.type == "cuda" else None
+
+_INDEX: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rank_index(mesh, axes: tuple) -> int:
+    """This rank's index along the step's data ``axes`` of ``mesh`` (0 with none), cached."""
+    known = _INDEX.setdefault(mesh, {})
+    if axes not in known:
+        known[axes] = mesh.index(axes) if axes else 0
+    return known[axes]
 
 
 @contextlib.contextmanager
@@ -85,16 +95,20 @@ def stream(index: int) -> Iterator[None]:
     the step count advances. Nested: reseeded for ``index`` at the same count.
     """
     if _state["depth"] > 0:
-        _seed(derive(_state["seed"], index, _state["count"]), _accelerator())
+        _seed(derive(_state["seed"], index, _state["count"]), _cuda())
         yield
         return
-    device = _accelerator()
-    with torch.random.fork_rng(devices=[device] if device is not None else []):
-        _state["seed"] = torch.initial_seed()
-        _seed(derive(_state["seed"], index, _state["count"]), device)
-        _state["depth"] += 1
-        try:
-            yield
-        finally:
-            _state["depth"] -= 1
-            _state["count"] += 1
+    cuda = _cuda()
+    cpu_state = torch.default_generator.get_state()
+    cuda_state = torch.cuda.get_rng_state() if cuda else None
+    _state["seed"] = torch.initial_seed()
+    _seed(derive(_state["seed"], index, _state["count"]), cuda)
+    _state["depth"] += 1
+    try:
+        yield
+    finally:
+        _state["depth"] -= 1
+        _state["count"] += 1
+        torch.default_generator.set_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)

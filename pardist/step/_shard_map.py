@@ -175,7 +175,7 @@ class Step:
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
         donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
         out, typed_problem = _step.EAGER, None
-        with _rng.stream(mesh.index(axes) if axes else 0):  # dropout: per rank and step
+        with _rng.stream(_rng.rank_index(mesh, axes)):  # dropout: per rank and step
             if self.compiled is not None:
                 out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
             if out is _step.EAGER:
