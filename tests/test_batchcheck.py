@@ -77,6 +77,28 @@ def _same_rows_other_order(i):
     return x[order], y[order]
 
 
+def _one_hot(i):  # each rank its own one-hot rows (rows of equal sums)
+    order = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]).roll(pardist.rank() + 1)
+    return F.one_hot(order, 8).float(), torch.zeros(8, dtype=torch.long)
+
+
+def _permutations(i):  # a sorting task: every row a permutation of the same items
+    rows = [torch.arange(8.0).roll(k + 3 * pardist.rank()) for k in range(8)]
+    return torch.stack(rows), torch.zeros(8, dtype=torch.long)
+
+
+def _constant_rows(i):  # each row constant, the rows' order mirrored between ranks
+    values = [1.0, 2.0, 2.0, 1.0] if pardist.rank() % 2 == 0 else [2.0, 1.0, 1.0, 2.0]
+    return torch.tensor(values)[:, None].expand(4, 8), torch.zeros(4, dtype=torch.long)
+
+
+@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("make_batch", [_one_hot, _permutations, _constant_rows])
+def test_no_false_alarm_on_distinct_batches_alike_in_their_sums(run, nprocs, make_batch):
+    env = {"PARDIST_DEBUG": "1"}  # the strict mode: an error would show
+    assert run(nprocs, _first_call, make_batch, None, 1, env=env) == [([], [])] * nprocs
+
+
 @pytest.mark.parametrize(
     "make_batch, in_specs",
     [

@@ -35,11 +35,13 @@ __all__ = ["check_distinct", "default_misfit", "default_specs", "param_names"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK = (1 << 62) - 1
+_GOLDEN = 0x5851F42D4C957F2D  # an odd 64-bit multiplier (Knuth's MMIX LCG), as an int64
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[int, int, bool]:
-    """Two sums of ``t``'s bits, the second weighted by row (so row order counts too),
-    and whether all its elements are equal."""
+    """A sum of ``t``'s bits, a hash of them by position (so that which element holds
+    which value counts: one-hot rows, permutations, rows in another order), and
+    whether all its elements are equal."""
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
@@ -48,11 +50,13 @@ def _fingerprint(t: torch.Tensor) -> tuple[int, int, bool]:
     bits = flat.contiguous().view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
     if not len(bits):
         return 0, 0, True
-    per_row = bits.view(t.shape[0] if t.ndim else 1, -1).sum(1)
-    position = torch.arange(1, len(per_row) + 1, device=bits.device)
-    sums = torch.stack([bits.sum(), (per_row * position).sum(), bits.max() - bits.min()])
-    total, weighted, spread = sums.tolist()
-    return total, weighted, spread == 0
+    # A multiplicative hash of each position (int64 products wrap): a different
+    # weight per element, the same on every rank.
+    weight = torch.arange(1, len(bits) + 1, device=bits.device).mul_(_GOLDEN)
+    weight.bitwise_xor_(weight >> 29)
+    sums = torch.stack([bits.sum(), (bits * weight).sum(), bits.max() - bits.min()])
+    total, hashed, spread = sums.tolist()
+    return total, hashed, spread == 0
 
 
 def _rows(t: torch.Tensor, spec: P, axes: tuple[str, ...]) -> int:
