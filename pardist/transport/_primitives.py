@@ -20,10 +20,12 @@ rules, so they work under ``torch.func.grad`` and ``vmap``; torch's own
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults
+from pardist.runtime import _faults, _process
 from pardist.transport import _shm
 
 __all__ = [
@@ -58,13 +60,43 @@ def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
         if shm is not None:
             shm.all_reduce(y, op)
         else:
-            with _faults.collective_errors(
-                f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}", group
-            ):
+            name = f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}"
+            agree(name, y, group)
+            with _faults.collective_errors(name, group):
                 dist.all_reduce(
                     y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
                 )
     return y
+
+
+def agree(name: str, x: torch.Tensor, group) -> None:
+    """Every rank of ``group`` must give ``name`` the same shape and dtype.
+
+    Shared memory compares them in its barrier; gloo would abort the process
+    ("Received data size doesn't match") and NCCL could hang. One all-reduce of two
+    integers before a CPU collective (gloo), and before every collective under
+    ``PARDIST_DEBUG=1``; where they differ, every rank raises naming each one's.
+    """
+    if x.device.type != "cpu" and not _process._debug():
+        return
+    what = f"{name} of {str(x.dtype).removeprefix('torch.')} {tuple(x.shape)}"
+    mine = zlib.crc32(what.encode())
+    both = torch.tensor([mine, -mine], dtype=torch.int64, device=x.device)
+    with _faults.collective_errors(name, group):
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == -int(both[1]):
+        return
+    doing: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(doing, what, group=group)
+    ranks = dist.get_process_group_ranks(group)
+    listing = "; ".join(f"rank {r}: {d}" for r, d in zip(ranks, doing))
+    raise _faults.CollectiveMismatch(
+        f"pardist: the ranks of {_faults.describe_group(group.group_name, ranks)} are not "
+        f"in the same collective, or gave it different shapes or dtypes ({listing}); "
+        "every rank stops here. Every rank must call the same "
+        "collectives, in the same order, with the same shapes and dtypes (for per-rank "
+        "lengths, gather with pardist.gather)."
+    )
 
 
 def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
@@ -75,6 +107,7 @@ def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
             torch.empty_like(x, memory_format=torch.contiguous_format)
             for _ in range(dist.get_world_size(group))
         ]
+        agree("pardist.all_gather", x, group)
         with _faults.collective_errors("pardist.all_gather", group):
             dist.all_gather(parts, x.contiguous(), group=group)
     return parts
