@@ -279,3 +279,10 @@ def test_a_script_mixing_pardist_and_ddp_exits_cleanly_ten_times():
     assert "0 of 10 runs did not exit cleanly" in out.stdout
     assert out.stdout.count("pardist equals DDP: True") == 20
     assert "terminate called" not in out.stderr
+
+
+def test_an_abort_inside_a_rank_is_named_as_such():
+    out, _ = launch("--nproc-per-node", 2, SCRIPTS / "abort_rank.py", timeout=240)
+    assert out.returncode != 0
+    assert "rank 1" in out.stderr and "aborted inside its own process (SIGABRT" in out.stderr
+    assert "out-of-memory" not in out.stderr.splitlines()[-1], out.stderr[-2000:]

@@ -59,6 +59,29 @@ def _failed_by_itself(failure) -> bool:
     return failure.exitcode > 0 or failure.signal_name() not in ("SIGTERM", "SIGKILL")
 
 
+# What a signal that ended a rank says about the cause.
+_SIGNALS = {
+    "SIGABRT": "aborted inside its own process (SIGABRT: abort() or a failed C++ assertion "
+    "in torch, a backend or an extension; its last output says which)",
+    "SIGSEGV": "crashed inside its own process (SIGSEGV: a segmentation fault in native code)",
+    "SIGBUS": "crashed inside its own process (SIGBUS: a bad memory access, e.g. /dev/shm full)",
+    "SIGKILL": "was killed by SIGKILL (no traceback: sent from outside the process, often by "
+    "the out-of-memory killer)",
+}
+_OTHER = "was killed by {} (no traceback: a signal sent from outside the process)"
+
+
+def _tail(failure, lines: int = 5) -> str:
+    """The last lines of a worker's stderr, where torchrun kept it in a log file."""
+    log = os.path.join(os.path.dirname(str(failure.error_file)), "stderr.log")
+    try:
+        with open(log, errors="replace") as f:
+            last = [line.rstrip() for line in f.readlines()[-lines:] if line.strip()]
+    except OSError:
+        return "; its output is above"
+    return "; the last lines of its stderr: " + " | ".join(last) if last else ""
+
+
 def _culprit_line(rank: int, failures: dict) -> str:
     """What rank ``rank`` itself did: raised, exited with a code, or was killed."""
     failure = failures.get(rank)
@@ -71,10 +94,8 @@ def _culprit_line(rank: int, failures: dict) -> str:
             f"(its traceback is {_where_output(failure)})"
         )
     if failure.exitcode < 0:
-        return (
-            f"{_who(rank, failures)} was killed by {failure.signal_name()} "
-            "(no traceback: a signal from outside; SIGKILL is often the out-of-memory killer)"
-        )
+        name = failure.signal_name()
+        return f"{_who(rank, failures)} {_SIGNALS.get(name, _OTHER).format(name)}" + _tail(failure)
     if failure.exitcode == 1:  # an uncaught error before pardist.init, or sys.exit(1)
         return (
             f"{_who(rank, failures)} exited first, with code 1; its own output, "
