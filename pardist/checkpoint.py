@@ -28,11 +28,13 @@ Typical use, the same under ``python`` and ``torchrun``::
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ import torch.distributed as dist
 from pardist.runtime import _tree
 from pardist.step import _replication
 
-__all__ = ["MARKER", "latest", "load", "save", "steps"]
+__all__ = ["MARKER", "CheckpointError", "latest", "load", "save", "steps"]
 
 MARKER = "pardist.json"  # written last: a checkpoint without it is not one
 _FORMAT = 1
@@ -80,6 +82,67 @@ def _writer_class():
             return super().write_data(plan, planner)
 
     return Writer
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be written or read back whole (names the file or path).
+
+    torch.distributed.checkpoint raises ``CheckpointException``, a ``BaseException``
+    that ``except Exception`` does not catch; pardist raises this instead, from it.
+    """
+
+
+def _checksums(folder: Path) -> dict[str, int]:
+    """CRC-32 of every file a save wrote into ``folder`` that this host can see."""
+    return {
+        f.name: _checksums_of(f)
+        for f in sorted(folder.iterdir())
+        if f.is_file() and f.name != MARKER
+    }
+
+
+def _verify(path: Path) -> None:
+    """Every file the marker lists still has the checksum it was saved with."""
+    with open(path / MARKER) as f:
+        saved = json.load(f).get("checksums", {})
+    for name, crc in saved.items():
+        file = path / name
+        if file.is_file() and _checksums_of(file) != crc:
+            raise CheckpointError(
+                f"pardist.checkpoint.load: {file} does not have the checksum it was saved "
+                "with: the file changed on disk (a flipped bit, a partial copy). Load an "
+                "earlier checkpoint (pardist.checkpoint.steps(dir) lists them)."
+            )
+
+
+def _checksums_of(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as data:
+        while chunk := data.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _cause(exc: BaseException) -> str:
+    """What failed inside DCP: the first rank's exception, and whether the disk was full."""
+    failures = getattr(exc, "failures", None) or {}
+    inner = [  # DCP keeps (exception, traceback summary) per rank
+        f[0] if isinstance(f, tuple) else f for f in failures.values()
+    ]
+    inner = [e for e in inner if isinstance(e, BaseException)] or [exc]
+    chain = []
+    for e in inner:
+        while e is not None and e not in chain:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+    full = any(isinstance(e, OSError) and e.errno in _FULL for e in chain) or any(
+        "No space left" in str(e) or "File too large" in str(e) for e in chain
+    )
+    first = f"{type(inner[0]).__name__}: {str(inner[0]).strip().splitlines()[0][:300]}"
+    return ("full", first) if full else ("", first)
 
 
 def _distributed() -> bool:
@@ -129,6 +192,7 @@ def _commit(tmp: Path, final: Path, step: int | None, keys: int, keep: int | Non
                 "leaves": keys,
                 "time": time.time(),
                 "world_size": dist.get_world_size() if _distributed() else 1,
+                "checksums": _checksums(tmp),
             },
             f,
         )
@@ -203,12 +267,29 @@ def save(
         final.parent.mkdir(parents=True, exist_ok=True)
 
     _on_rank0(f"prepare {tmp}", clear_stale)
-    dcp.save(
-        dict(named),
-        storage_writer=_writer_class()(tmp),
-        planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
-        no_dist=not _distributed(),
-    )
+    try:
+        dcp.save(
+            dict(named),
+            storage_writer=_writer_class()(tmp),
+            planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
+            no_dist=not _distributed(),
+        )
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial save: free what it took
+        kind, first = _cause(exc)
+        last = latest(final.parent) if step is not None else None
+        kept = f"the last good checkpoint, {last}, is intact" if last else "nothing was lost"
+        if kind == "full":
+            raise CheckpointError(
+                f"pardist.checkpoint.save: the disk is full (or a file-size limit was hit) "
+                f"while writing {tmp} ({first}); {kept}. Free space, or save fewer "
+                "checkpoints (keep=)."
+            ) from exc
+        raise CheckpointError(
+            f"pardist.checkpoint.save: writing {tmp} failed ({first}); {kept}."
+        ) from exc
     return _on_rank0(f"commit {final}", _commit, tmp, final, step, len(named), keep)
 
 
@@ -296,17 +377,25 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         )
     named, treedef = _flat(like)
     _check_against(path, named)
+    _verify(path)
     state = {
         key: torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
         for key, leaf in named
     }
     planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
-    dcp.load(
-        state,
-        storage_reader=dcp.FileSystemReader(str(path)),
-        planner=planner,
-        no_dist=not _distributed(),
-    )
+    try:
+        dcp.load(
+            state,
+            storage_reader=dcp.FileSystemReader(str(path)),
+            planner=planner,
+            no_dist=not _distributed(),
+        )
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise CheckpointError(
+            f"pardist.checkpoint.load: reading {path} failed ({_cause(exc)[1]})."
+        ) from exc
     # Tensors are filled in place; Python values land in the planner's own dict.
     loaded = planner.state_dict
     return _tree.tree_unflatten([loaded[key] for key, _ in named], treedef)

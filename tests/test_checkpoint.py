@@ -182,3 +182,42 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         checkpoint.load(tmp_path / "2.tmp", {"w": torch.zeros(3), "step": 0})
     checkpoint.save(tmp_path, {"w": torch.full((3,), 2.0), "step": 2}, step=2)  # retry works
     assert checkpoint.steps(tmp_path) == [1, 2] and not (tmp_path / "2.tmp").exists()
+
+
+def test_a_flipped_bit_is_caught_naming_the_file(tmp_path):
+    state = {"w": torch.arange(1000.0), "step": 1}
+    path = Path(checkpoint.save(tmp_path, state, step=1))
+    data = next(f for f in path.iterdir() if f.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10  # one bit, inside the tensor's bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{data}.*checksum"):
+        checkpoint.load(path, {"w": torch.zeros(1000), "step": 0})
+    assert issubclass(checkpoint.CheckpointError, Exception)
+
+
+def _save_past_a_size_limit(folder: str) -> str:
+    """In a process of its own: a small save, then a large one past RLIMIT_FSIZE (the
+    kernel refuses the write, as on a full disk)."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing
+    checkpoint.save(folder, {"w": torch.ones(4)}, step=1)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+    try:
+        checkpoint.save(folder, {"w": torch.ones(1 << 20)}, step=2)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_full_disk_is_named_and_keeps_the_last_checkpoint(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        message = pool.apply_async(_save_past_a_size_limit, (str(tmp_path),)).get(timeout=240)
+    assert "the disk is full" in message and f"{tmp_path / '2.tmp'}" in message, message
+    assert f"the last good checkpoint, {tmp_path / '1'}, is intact" in message, message
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "1")
+    got = checkpoint.load(checkpoint.latest(tmp_path), {"w": torch.zeros(4)})
+    assert torch.equal(got["w"], torch.ones(4))
+    assert not (tmp_path / "2.tmp").exists()
