@@ -68,6 +68,8 @@ def _private_torch_names(source: str) -> list[tuple[int, str]]:
                     roots.add(a.asname or "torch")
                     if any(map(_private, a.name.split("."))):
                         found.append((node.lineno, f"import {a.name}"))
+        elif isinstance(node, ast.ImportFrom) and node.module == "pardist.runtime._compat":
+            roots.update(a.asname or a.name for a in node.names)  # the seam's torch modules
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
             for a in node.names:
                 roots.add(a.asname or a.name)
