@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -111,3 +112,41 @@ def test_a_torch_store_on_the_port_is_joined_not_refused():
     )
     with pytest.raises(RuntimeError, match="the torch rendezvous store of another job"):
         check_endpoint("127.0.0.1", store.port, must_host=True, where="t", option="--rdzv-endpoint")
+
+
+def _failure(tmp_path, local_rank: int, exitcode: int, message: str | None, timestamp: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / f"error{local_rank}.json"
+    if message is not None:  # what a worker that raised writes (torch's record format)
+        extra = {"py_callstack": message, "timestamp": str(timestamp)}
+        error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+    return ProcessFailure(local_rank, 1000 + local_rank, exitcode, str(error_file))
+
+
+def test_a_killed_rank_is_named_though_its_peer_lost_the_connection_in_an_earlier_second(
+    tmp_path,
+):
+    # Rank 0 is killed; rank 1's collective ends at once (connection lost, late ranks
+    # unknown), and torch orders failures by whole seconds: rank 1's can read earlier.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from pardist.launch._failures import explain
+
+    lost = (
+        "CollectiveTimeout: pardist: pardist.psum over axis 'gpu' lost the connection to "
+        "another rank (it exited or was killed) on rank 1. Which rank is late is unknown"
+    )
+    killed = _failure(tmp_path, 0, -9, None, 0)
+    failures = {0: killed, 1: _failure(tmp_path, 1, 1, lost, killed.timestamp - 1)}
+    exc = ChildFailedError("train.py", failures)
+    assert exc.get_first_failure()[0] == 1  # torch's own choice
+    line, code = explain(exc, "pardist.launch")
+    assert line.startswith("pardist.launch: rank 0 (local rank 0, pid 1000) was killed by SIGKILL")
+    assert code == 1
+    # A rank that raised on its own is still named when it came first.
+    own = _failure(tmp_path, 0, 1, "ValueError: bad batch", killed.timestamp - 1)
+    line, _ = explain(ChildFailedError("train.py", {0: own}), "pardist.launch")
+    assert line.startswith(
+        "pardist.launch: rank 0 (local rank 0, pid 1000) failed first: ValueError"
+    )

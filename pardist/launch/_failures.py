@@ -44,6 +44,12 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 300 else line[:297] + "..."
 
 
+def _ended_by_another(failure) -> bool:
+    """Whether a rank failed in a collective that another rank's failure ended."""
+    message, _ = _recorded(failure)
+    return message is not None and message.startswith("CollectiveTimeout")
+
+
 def _failed_by_itself(failure) -> bool:
     """Whether a late rank failed on its own, not by the launcher or by waiting for another.
 
@@ -116,6 +122,11 @@ def explain(exc, where: str) -> tuple[str, int]:
     """
     failures = exc.failures
     rank, failure = exc.get_first_failure()
+    if "pardist_late_ranks" not in _recorded(failure)[1] and _ended_by_another(failure):
+        # A lost connection ends a rank's collective as soon as its peer dies, often
+        # within the second by which torch orders failures: the peer came first.
+        first = [r for r, f in sorted(failures.items()) if not _ended_by_another(f)]
+        rank, failure = (first[0], failures[first[0]]) if first else (rank, failure)
     code = failure.exitcode if failure.exitcode > 0 else 1
     message, extra = _recorded(failure)
     late = extra.get("pardist_late_ranks")

@@ -16,7 +16,7 @@ import torch
 # The oldest torch pardist supports; pyproject.toml says the same. Checked first, before
 # anything below touches a private name, so an older torch gets one clear line at
 # ``import pardist`` instead of a traceback from deep inside torch.
-MINIMUM_TORCH = (2, 11)
+MINIMUM_TORCH = (2, 10)
 
 
 def _check_version(version: str) -> None:
@@ -54,6 +54,7 @@ __all__ = [
     "make_wrapper_subclass",
     "matches_machine_hostname",
     "pytree",
+    "pytree_children",
     "storage_holders",
     "torchrun_parser",
 ]
@@ -66,7 +67,7 @@ __all__ = [
 #   compiled step records as graph nodes; as used since 2.5 (still private in 2.15).
 # pytree (torch.utils._pytree): the tree flattening torch.func and dynamo use, so that
 #   pardist's trees flatten as torch's do; key paths (``flatten_with_keys_fn``,
-#   GetAttrKey) since 2.3. torch.utils.pytree (public) exists from 2.6 but lacks them.
+#   GetAttrKey) since 2.3. torch has no public pytree module (2.15 included).
 # DisableTorchFunctionSubclass (torch._C): answers metadata of a tensor subclass
 #   without re-entering its __torch_function__; as used since 2.0.
 
@@ -131,6 +132,20 @@ def torchrun_parser():
     parser = get_args_parser()
     parser.set_defaults(master_port=os.environ.get("PET_MASTER_PORT"))
     return parser
+
+
+def pytree_children(node) -> list | None:
+    """One level of a pytree node as ``[(key, child)]``, or None for a leaf.
+
+    torch.utils._pytree._get_node_type and SUPPORTED_NODES (the registry, with each
+    type's ``flatten_with_keys_fn``): pytree has no public one-level flatten with keys;
+    as used since 2.3.
+    """
+    entry = pytree.SUPPORTED_NODES.get(pytree._get_node_type(node))
+    if entry is None:
+        return None
+    children, _ = entry.flatten_with_keys_fn(node)
+    return list(children)
 
 
 def make_wrapper_subclass(cls, shape, *, dtype, device) -> torch.Tensor:

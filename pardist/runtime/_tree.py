@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pardist.runtime._compat import pytree
+from pardist.runtime._compat import pytree, pytree_children
 
 __all__ = [
     "broadcast_prefix",
@@ -39,12 +39,7 @@ def leaves_with_paths(tree: Any, name: str = "") -> list[tuple[str, Any]]:
 
 def _children(node: Any) -> list[tuple[Any, Any]] | None:
     """One level of ``node`` as ``[(key, child)]``, or None if ``node`` is a leaf."""
-    node_type = pytree._get_node_type(node)
-    entry = pytree.SUPPORTED_NODES.get(node_type)
-    if entry is None:
-        return None
-    children, _ = entry.flatten_with_keys_fn(node)
-    return list(children)
+    return pytree_children(node)
 
 
 def _kind(node: Any) -> str:
