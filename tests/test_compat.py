@@ -133,17 +133,17 @@ def test_an_older_torch_is_refused_in_one_line_naming_both_versions():
     out = _run(_IMPORT_AS.format(version="2.9.1+cu128"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (
-        "refused [] pardist needs torch>=2.10, but torch 2.9.1+cu128 is installed: "
-        "pip install 'torch>=2.10'"
+        "refused [] pardist needs torch>=2.11, but torch 2.9.1+cu128 is installed: "
+        "pip install 'torch>=2.11'"
     )
 
 
 def test_the_minimum_and_newer_versions_are_accepted():
-    for version in ("2.10.0+cu128", "2.11.0+cu130", "2.15.0", "3.0.0a0"):
+    for version in ("2.11.0+cu130", "2.15.0", "3.0.0a0"):
         out = _run(_IMPORT_AS.format(version=version))
         assert out.stdout.strip() == "imported", (version, out.stdout, out.stderr)
 
 
 def test_pyproject_states_the_same_minimum():
     pyproject = pathlib.Path(pardist.__file__).parent.parent / "pyproject.toml"
-    assert '"torch>=2.10"' in pyproject.read_text()
+    assert '"torch>=2.11"' in pyproject.read_text()

@@ -1,6 +1,6 @@
-"""The README's code runs as written, so the README cannot drift from the library.
+"""The README's and the guides' code runs as written, so the docs cannot drift from the library.
 
-Every ```python block of README.md is a program whose first line names it
+Every ```python block of README.md and docs/*.md is a program whose first line names it
 (``# train.py: ...``), run here with ``python`` and with ``torchrun
 --nproc_per_node=2`` (only ``python`` for one marked ``(python only ...)``, which
 starts its own processes), each in a fresh directory; or an excerpt
@@ -21,18 +21,23 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PROGRAM = re.compile(r"# ([\w./-]+\.py)(?::| \()")
 EXCERPT = re.compile(r"# excerpt of ([\w./-]+\.py)")
 ELISION = "# ..."
 
 
-def _blocks() -> list[tuple[int, str]]:
-    """(line, code) of every ```python block."""
-    text = README.read_text()
-    return [
-        (text[: m.start()].count("\n") + 2, m.group(1))
-        for m in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S)
-    ]
+def _blocks() -> list[tuple[str, str]]:
+    """(file:line, code) of every ```python block of the README and the guides."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        name = doc.relative_to(ROOT)
+        found += [
+            (f"{name}:{text[: m.start()].count(chr(10)) + 2}", m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```$", text, re.M | re.S)
+        ]
+    return found
 
 
 def _parse() -> tuple[dict, list, list]:
@@ -43,14 +48,24 @@ def _parse() -> tuple[dict, list, list]:
             excerpts.append((line, m.group(1), code))
         elif m := PROGRAM.match(first):
             if m.group(1) in programs:
-                problems.append(f"README.md:{line}: a second program named {m.group(1)}")
+                problems.append(f"{line}: a second program named {m.group(1)}")
             programs[m.group(1)] = (line, code, "(python only" in first)
         else:
             problems.append(
-                f"README.md:{line}: a python block must start with '# name.py: ...' (a program) "
+                f"{line}: a python block must start with '# name.py: ...' (a program) "
                 f"or '# excerpt of name.py' (part of one), not {first!r}"
             )
     return programs, excerpts, problems
+
+
+def test_links_to_guides_resolve():
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)#:]+\.(?:md|png|py))\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)}: {target}"
+
+
+def test_the_readme_is_short():
+    assert len(README.read_text()) <= 15_000  # the rest belongs in docs/
 
 
 PROGRAMS, EXCERPTS, PROBLEMS = _parse()
@@ -59,7 +74,8 @@ PROGRAMS, EXCERPTS, PROBLEMS = _parse()
 def test_every_python_block_is_a_named_program_or_an_excerpt():
     assert not PROBLEMS, "\n".join(PROBLEMS)
     assert "train.py" in PROGRAMS  # the script at the top
-    assert PROGRAMS["train.py"][0] < 20
+    assert PROGRAMS["train.py"][0].startswith("README.md:")
+    assert int(PROGRAMS["train.py"][0].split(":")[1]) < 20
 
 
 @pytest.mark.parametrize("excerpt", EXCERPTS, ids=[f"line{e[0]}" for e in EXCERPTS])
@@ -68,7 +84,7 @@ def test_excerpts_appear_in_their_programs(excerpt):
     if name in PROGRAMS:
         source = PROGRAMS[name][1]
     else:
-        assert (ROOT / name).is_file(), f"README.md:{line}: no program or file named {name}"
+        assert (ROOT / name).is_file(), f"{line}: no program or file named {name}"
         source = (ROOT / name).read_text()
     chunks: list[list[str]] = [[]]
     for text in code.splitlines()[1:]:
@@ -79,7 +95,7 @@ def test_excerpts_appear_in_their_programs(excerpt):
     position = 0
     for chunk in chunks:
         found = source.find("\n".join(chunk) + "\n", position)
-        assert found >= 0, f"README.md:{line}: not in {name}, in this order:\n" + "\n".join(chunk)
+        assert found >= 0, f"{line}: not in {name}, in this order:\n" + "\n".join(chunk)
         position = found + 1
 
 
@@ -108,9 +124,7 @@ def test_readme_programs_run(tmp_path, name, launcher):
     line, code, _ = PROGRAMS[name]
     (tmp_path / name).write_text(code)
     done = _run([*LAUNCHERS[launcher], name], tmp_path)
-    report = (
-        f"README.md:{line}: {name} under {launcher}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-    )
+    report = f"{line}: {name} under {launcher}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
     assert done.returncode == 0, report
     assert done.stdout.strip(), report
     for warning in ("DuplicateBatchWarning", "NonFiniteLossWarning"):

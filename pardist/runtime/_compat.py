@@ -16,7 +16,7 @@ import torch
 # The oldest torch pardist supports; pyproject.toml says the same. Checked first, before
 # anything below touches a private name, so an older torch gets one clear line at
 # ``import pardist`` instead of a traceback from deep inside torch.
-MINIMUM_TORCH = (2, 10)
+MINIMUM_TORCH = (2, 11)
 
 
 def _check_version(version: str) -> None:
