@@ -279,3 +279,46 @@ def test_cross_replica_batchnorm_module(run):
     for grads in run(2, _cross_replica_module):
         for k, p in model.named_parameters():
             torch.testing.assert_close(grads[k], p.grad, **TOL)
+
+
+class _Helper(nn.Module):
+    """Batch statistics from a function, no batch-norm module anywhere."""
+
+    def forward(self, x):
+        return torch.relu(F.batch_norm(x, None, None, training=True))
+
+
+def _helper_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), _Helper(), nn.Linear(6, 2))
+
+
+def _helper_steps(steps: int = 3):
+    apply, params, _ = pardist.functional(_helper_net())
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    r = pardist.rank()
+
+    @pardist.data_parallel
+    def step(p, batch):
+        loss = lambda p, x, y: F.mse_loss(apply(p, {}, x)[0], y)  # noqa: E731
+        g = pardist.grad(loss)(p, *batch)
+        return {k: v - 0.1 * g[k] for k, v in p.items()}
+
+    for _ in range(steps):  # the first call decides whether batch norm is intercepted
+        params = step(params, (x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4]))
+    return params
+
+
+def test_batch_norm_called_from_a_function_stays_cross_replica_after_the_first_call(run):
+    model = _helper_net()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    for params in run(2, _helper_steps):
+        for k, v in model.named_parameters():
+            torch.testing.assert_close(params[k], v.detach(), **TOL)

@@ -138,13 +138,17 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
     # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
     # reduce-scatters their gradients, so they take no part in the all-reduce.
-    replicated = [
-        ctx is not None
-        and not holds(ctx.varying, t)
-        and _vma.invariant_over_data(t)
-        and not isinstance(t, DTensor)
-        for t in leaves
-    ]
+    if ctx is not None and not isinstance(ctx.varying, list) and _vma.current() is None:
+        varying = ctx.varying  # eager, untracked: ids, and nothing varies by tracking
+        replicated = [id(t) not in varying and not isinstance(t, DTensor) for t in leaves]
+    else:
+        replicated = [
+            ctx is not None
+            and not holds(ctx.varying, t)
+            and _vma.invariant_over_data(t)
+            and not isinstance(t, DTensor)
+            for t in leaves
+        ]
     if weighted and any(isinstance(t, DTensor) for t in leaves):
         raise ValueError(
             f"{where}: mean='rows' is not supported with pardist.fsdp parameters yet (their "

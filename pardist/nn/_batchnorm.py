@@ -219,10 +219,11 @@ _running: list[_CrossReplica] = []
 class _CrossReplica(TorchFunctionMode):
     """Batch-norm calls with batch statistics, computed over ``axis``; the rest untouched."""
 
-    def __init__(self, axis: tuple[str, ...], skeleton: nn.Module | None, where: str):
+    def __init__(self, axis: tuple[str, ...], skeleton: nn.Module | None, where: str, seen=None):
         super().__init__()
-        self.axis, self.skeleton, self.where = axis, skeleton, where
-        self.calls = 0
+        self.axis, self.skeleton, self.where, self.seen = axis, skeleton, where, seen
+        self.calls = 0  # batch norms made cross-replica
+        self.norms = 0  # batch-norm functions called at all (eval mode, instance norm too)
 
     def __enter__(self):
         _running.append(self)
@@ -230,11 +231,15 @@ class _CrossReplica(TorchFunctionMode):
 
     def __exit__(self, *exc):
         _running.pop()
+        if self.seen is not None and "none" not in self.seen and exc[0] is None:
+            self.seen["none"] = self.norms == 0 and not _has_norm_modules(self.skeleton)
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         parse = _PARSERS.get(func)
+        if parse is not None or _other_batch_norm(func):
+            self.norms += 1
         if parse is not None:
             x, rm, rv, w, b, training, momentum, eps = parse(*args, **kwargs)
             if training:
@@ -340,12 +345,27 @@ def prepare(skeleton: nn.Module, where: str) -> nn.Module:
     return skeleton
 
 
-def synchronised(skeleton: nn.Module | None, train: bool, where: str):
-    """The cross-replica mode if a step over more than one rank is training, else nothing."""
+def synchronised(skeleton: nn.Module | None, train: bool, where: str, seen: dict | None = None):
+    """The cross-replica mode if a step over more than one rank is training, else nothing.
+
+    The mode runs a Python function for every torch call of the model (2-3 us each).
+    ``seen`` (one dict per model) remembers the first call: a model with no batch-norm
+    module that called no batch-norm function then runs without the mode.
+    """
     ctx = current_step()
     if not train or ctx is None or ctx.size == 1:
         return contextlib.nullcontext()
-    return _CrossReplica(ctx.axis, skeleton, where)
+    if torch.compiler.is_compiling():  # traced: a graph, no per-op cost to save
+        return _CrossReplica(ctx.axis, skeleton, where, None)
+    if seen is not None and seen.get("none"):
+        return contextlib.nullcontext()
+    return _CrossReplica(ctx.axis, skeleton, where, seen)
+
+
+def _has_norm_modules(skeleton: nn.Module | None) -> bool:
+    return skeleton is None or any(
+        isinstance(m, nn.modules.batchnorm._NormBase) for m in skeleton.modules()
+    )
 
 
 class CrossReplicaBatchNorm(nn.modules.batchnorm._BatchNorm):

@@ -149,6 +149,7 @@ def functional(
     slots = _Slots(skeleton)
     slots.frozen(frozen)
     mode = {"train": skeleton.training}
+    seen_norms: dict = {}  # whether the model calls batch norm at all (see synchronised)
     units = _units.check_policy(fsdp_units)
     fsdp = _apply.Runner(skeleton, slots, units, f"{where}.apply")
 
@@ -158,7 +159,9 @@ def functional(
             mode["train"] = train
         new_buffers = {name: b if name in frozen else b.clone() for name, b in buffers.items()}
         # Batch statistics over the step's axis, for every batch norm (see _batchnorm).
-        with _batchnorm.synchronised(skeleton if sync_bn else None, train and sync_bn, where):
+        with _batchnorm.synchronised(
+            skeleton if sync_bn else None, train and sync_bn, where, seen_norms
+        ):
             if _apply.has_shards(params):  # pardist.fsdp: each unit gathered as it runs
                 out = fsdp.call(params, new_buffers, inputs, kwargs)
             else:

@@ -9,6 +9,8 @@ checkpoint, shard and travel through ``data_parallel`` like any other tree.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -108,6 +110,12 @@ def schedule(value: float | Callable[[int], float]) -> float | Callable[[int], f
     return value
 
 
+_shape = operator.attrgetter("shape")
+_device = operator.attrgetter("device")
+_contiguous = torch.Tensor.is_contiguous
+_given = functools.partial(operator.is_not, None)
+
+
 def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
     """Flat (grads, params, treedef), checking that the two trees have one structure.
 
@@ -121,11 +129,21 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
             f"{where}: grads and params have different structures ({len(g_leaves)} vs "
             f"{len(p_leaves)} leaves). Pass the gradients of exactly these params."
         )
-    if not all(isinstance(p, torch.Tensor) for p in p_leaves):
+    if not all(map(torch.is_tensor, p_leaves)):
         _tree.check_tensor_leaves(params, where=where, name="params")  # names the leaf
-    if all(isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(g_leaves, p_leaves)):
+    if torch.compiler.is_compiling():  # (dynamo does not trace map over attrgetter)
+        same = all(
+            isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(g_leaves, p_leaves)
+        )
+    else:  # map: no Python per tensor
+        same = all(map(torch.is_tensor, g_leaves)) and list(map(_shape, g_leaves)) == list(
+            map(_shape, p_leaves)
+        )
+    if same:  # the common case, without building key paths
+        if not torch.compiler.is_compiling() and all(map(_contiguous, g_leaves + p_leaves)):
+            return g_leaves, p_leaves, treedef
         g_leaves = [laid_out_like(g, p) for g, p in zip(g_leaves, p_leaves)]
-        return g_leaves, p_leaves, treedef  # the common case, without building key paths
+        return g_leaves, p_leaves, treedef
     for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), p_leaves):
         if not isinstance(g, torch.Tensor) or g.shape != p.shape:
             shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
@@ -160,10 +178,12 @@ def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list |
     if fused is False or torch.compiler.is_compiling():
         return False
     supported = set(fused_kernel_devices())
-    if not all(t.is_floating_point() and t.device.type in supported for t in tensors):
+    if not all(map(torch.is_floating_point, tensors)):
         return False
-    if all(t.is_contiguous() for t in tensors) and all(
-        t is None or t.is_contiguous() for ts in alongside if ts for t in ts
+    if not all(d.type in supported for d in set(map(_device, tensors))):
+        return False
+    if all(map(_contiguous, tensors)) and all(
+        all(map(_contiguous, filter(_given, ts))) for ts in alongside if ts
     ):
         return True  # the common case, cheaply
     return all(is_dense(t) for t in tensors) and all(

@@ -85,7 +85,12 @@ def entered(ctx: StepContext) -> Iterator[StepContext]:
 def is_donated(tensors: list[torch.Tensor]) -> bool:
     """Whether every tensor was donated to the running step (so may be updated in place)."""
     ctx = current_step()
-    return ctx is not None and len(tensors) > 0 and all(holds(ctx.donated, t) for t in tensors)
+    if ctx is None or not tensors:
+        return False
+    donated = ctx.donated
+    if isinstance(donated, list):  # a traced step: by identity
+        return all(holds(donated, t) for t in tensors)
+    return all(map(donated.__contains__, map(id, tensors)))
 
 
 def holds(group: set[int] | list[torch.Tensor], t: torch.Tensor) -> bool:

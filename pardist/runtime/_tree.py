@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pardist.runtime import _flat
 from pardist.runtime._compat import pytree, pytree_children
 
 __all__ = [
@@ -24,10 +25,11 @@ __all__ = [
     "tree_unflatten",
 ]
 
-tree_flatten = pytree.tree_flatten
-tree_unflatten = pytree.tree_unflatten
-tree_leaves = pytree.tree_leaves
-tree_map = pytree.tree_map
+# torch's pytree semantics, with a fast path for the dict / list / tuple trees of steps
+tree_flatten = _flat.tree_flatten
+tree_unflatten = _flat.tree_unflatten
+tree_leaves = _flat.tree_leaves
+tree_map = _flat.tree_map
 keystr = pytree.keystr
 
 

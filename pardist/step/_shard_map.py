@@ -124,39 +124,39 @@ class Step:
     # The step itself.
     def _leaf_specs(self, args: tuple, treedef, mesh: _mesh.Mesh, axes: tuple[str, ...]):
         """Per leaf: its spec and axes; which are data shards, donated; sharded-state ids."""
-        key = (treedef, id(mesh))
-        if key not in self._specs_cache:
-            flat = _specs.flat_specs(
-                self.full_specs(args, axes),
-                args,
-                where=self.where,
-                specs_name="in_specs",
-                tree_name="args",
-            )
-            for (path, leaf), spec in zip(_tree.leaves_with_paths(args, "args"), flat):
-                try:
-                    _specs.check_fits(
-                        spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
-                    )
-                except (TypeError, ValueError) as e:
-                    raise self.misfit(e, path, leaf, len(args), axes) from None
-            # A sharded optimizer state over the data axes: its parameters' gradients are
-            # reduce-scattered (its signature is static, part of the tree structure).
-            nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
-            scatter = frozenset(
-                n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
-            )
-            sharded = [i for i, s in enumerate(flat) if set(s.axes) & set(axes)]
-            children = (
-                treedef.children() if hasattr(treedef, "children") else treedef.children_specs
-            )  # torch < 2.9
-            counts = [child.num_leaves for child in children]
-            starts = [sum(counts[:i]) for i in range(len(counts))]
-            donated = [
-                j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])
-            ]
-            self._specs_cache[key] = flat, sharded, donated, scatter
-        return self._specs_cache[key]
+        key = (id(treedef), id(mesh))  # specs are interned by structure (runtime._flat)
+        hit = self._specs_cache.get(key)
+        if hit is not None and hit[0] is treedef:
+            return hit[1]
+        flat = _specs.flat_specs(
+            self.full_specs(args, axes),
+            args,
+            where=self.where,
+            specs_name="in_specs",
+            tree_name="args",
+        )
+        for (path, leaf), spec in zip(_tree.leaves_with_paths(args, "args"), flat):
+            try:
+                _specs.check_fits(
+                    spec, leaf, path, mesh, where=self.where, spec_path=f"the in_spec of {path}"
+                )
+            except (TypeError, ValueError) as e:
+                raise self.misfit(e, path, leaf, len(args), axes) from None
+        # A sharded optimizer state over the data axes: its parameters' gradients are
+        # reduce-scattered (its signature is static, part of the tree structure).
+        nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
+        scatter = frozenset(
+            n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
+        )
+        sharded = [i for i, s in enumerate(flat) if set(s.axes) & set(axes)]
+        children = (
+            treedef.children() if hasattr(treedef, "children") else treedef.children_specs
+        )  # torch < 2.9
+        counts = [child.num_leaves for child in children]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        donated = [j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])]
+        self._specs_cache[key] = treedef, (flat, sharded, donated, scatter)
+        return flat, sharded, donated, scatter
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # torch.compile(data_parallel(step))
