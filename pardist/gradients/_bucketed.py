@@ -12,6 +12,7 @@ the report of a non-finite loss.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -79,12 +80,23 @@ class Call:
     def aux(self, auxes: list) -> Any:
         return auxes[-1] if self.carry is not None else _microbatch.stack(auxes)
 
-    def combine(self, local: list, parts: list, leaves: list) -> list:
-        """Gradients that were not reduced: summed over micro-batches, or joined if split."""
+    def combine(self, local: list, parts: list, leaves: list, reduced: list | None = None) -> list:
+        """Gradients that were not reduced: summed over micro-batches, or joined if split
+        (None where ``reduced`` says the reducer gives them)."""
         k = self.accumulate
+        if reduced is not None and all(reduced):
+            return [None] * len(leaves)
+        # The parameter's strides, as .grad has them (a dense layout: nothing to do)
+        dense = (
+            k == 1
+            and all(map(_contiguous, leaves))
+            and all(g is None or g.is_contiguous() for g in local)
+        )
         out = []
         for i, t in enumerate(leaves):
-            if self.split[i] and k > 1:
+            if reduced is not None and reduced[i]:
+                out.append(None)
+            elif self.split[i] and k > 1:
                 out.append(_microbatch.concat(parts[i], t))
             elif local[i] is None:
                 out.append(torch.zeros_like(t))
@@ -92,7 +104,7 @@ class Call:
                 g = local[i] / k if k > 1 else local[i]
                 # The parameter's strides, as .grad has them; inside an enclosing
                 # transform the tensors are wrapped, and its own call lays them out.
-                outer = functorch.peek_interpreter_stack() is not None
+                outer = dense or functorch.peek_interpreter_stack() is not None
                 out.append(g if outer else laid_out_like(g, t))
         return out
 
@@ -104,6 +116,9 @@ class Call:
             call[n] = _tree.tree_unflatten(inputs[start : start + len(part)], treedef)
             start += len(part)
         return call
+
+
+_contiguous = torch.Tensor.is_contiguous
 
 
 def split_value(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
@@ -256,15 +271,11 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         if hand.reducer is not None and j == k - 1:
             hand.reducer.last_micro_batch()
         diff = [t for n in call.nums for t in mleaves[n]]
-        if any(isinstance(t, DTensor) for t in diff):  # FSDP shards: usable only by apply
+        if any(map(isinstance, diff, itertools.repeat(DTensor))):  # FSDP shards: only apply
             inputs = _fsdp.grad_inputs(diff, margs, call.nums, call.where)
         else:
             inputs = [t.detach().requires_grad_() for t in diff]
         _vma.enter_grad(inputs, leaves, replicated)
-        for i, x in enumerate(inputs):
-            if replicated[i] and (reduce or k > 1):
-                # The reducer takes each gradient the moment autograd produces it.
-                x.register_hook(functools.partial(hand, rep_index[i]))
         mark = len(ctx.pending_means)
         with torch.enable_grad():
             out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
@@ -280,6 +291,12 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             for m, t in enumerate(pending):
                 hand.reducer.add(1 + m, t, divisor=ctx.size)
         if value.requires_grad:
+            # Where buckets reduce during the backward, the reducer takes each gradient
+            # the moment autograd produces it; else all of them after it (no hooks).
+            hooked = hand.reducer is not None and getattr(hand.reducer, "overlaps", bool)()
+            for i, x in enumerate(inputs) if hooked else ():
+                if replicated[i]:
+                    x.register_hook(functools.partial(hand, rep_index[i]))
             seed = _vma.seed(value)
             if divisor is not None:
                 # mean='rows': this rank's loss weighs rows / total (times the ranks,
@@ -288,7 +305,11 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
                 seed = (torch.ones_like(value) if seed is None else seed) * weight
             got = torch.autograd.grad(value, inputs, seed, allow_unused=True)
             for i, g in enumerate(got):
-                if g is None or (hand.reducer is not None and replicated[i]):
+                if g is None:
+                    continue
+                if hand.reducer is not None and replicated[i]:
+                    if not hooked:
+                        hand(rep_index[i], g)
                     continue
                 if divisor is not None and weight:  # a rank's own gradients: unweighted
                     g = g / weight
@@ -310,7 +331,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     if value is not values[0]:
         _vma.mean_over_data(value, values[0])  # the loss averaged over the data axes
     factor = _correction(ctx, hand, counts)
-    grads = call.combine(local, parts, leaves)
+    grads = call.combine(local, parts, leaves, replicated if hand.reducer is not None else None)
     for i, t in enumerate(leaves):
         if hand.reducer is not None and replicated[i]:
             g = reduced[hand.base + rep_index[i]]

@@ -17,6 +17,7 @@ Outside a step both functions are exactly torch.func's.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -124,10 +125,12 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     )
     carry = _microbatch.check_carry(options["carry"], len(args), nums, masks, has_aux, where)
     for n in nums:
-        if not all(isinstance(t, torch.Tensor) for t in flat[n][0]):
+        if not all(map(isinstance, flat[n][0], itertools.repeat(torch.Tensor))):
             _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
     leaves = [leaf for n in nums for leaf in flat[n][0]]
-    if not all(t.is_floating_point() or t.is_complex() for t in leaves):
+    if not all(map(torch.is_floating_point, leaves)) and not all(
+        t.is_floating_point() or t.is_complex() for t in leaves
+    ):
         for n in nums:
             for (path, _), leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), flat[n][0]):
                 if not (leaf.is_floating_point() or leaf.is_complex()):
@@ -140,7 +143,9 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     # reduce-scatters their gradients, so they take no part in the all-reduce.
     if ctx is not None and not isinstance(ctx.varying, list) and _vma.current() is None:
         varying = ctx.varying  # eager, untracked: ids, and nothing varies by tracking
-        replicated = [id(t) not in varying and not isinstance(t, DTensor) for t in leaves]
+        replicated = [i not in varying for i in map(id, leaves)]
+        if any(issubclass(t, DTensor) for t in set(map(type, leaves))):
+            replicated = [r and not isinstance(t, DTensor) for r, t in zip(replicated, leaves)]
     else:
         replicated = [
             ctx is not None

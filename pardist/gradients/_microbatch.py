@@ -76,7 +76,13 @@ def batch_masks(
         ]
     masks: Masks = []
     for leaves, _ in flat:
-        flags = [holds(ctx.varying, x) and _is_batchable(x) for x in leaves]
+        if isinstance(ctx.varying, list):  # a traced step: by identity
+            flags = [holds(ctx.varying, x) and _is_batchable(x) for x in leaves]
+        else:
+            flags = [
+                v and _is_batchable(x)
+                for v, x in zip(map(ctx.varying.__contains__, map(id, leaves)), leaves)
+            ]
         masks.append(flags if any(flags) else None)
     if strict:
         _check_placed(flat, nums, masks, ctx, where)

@@ -173,7 +173,7 @@ class Step:
             _devices.check(args, self.where)  # a batch on another device than the params
             self._check_inputs(args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
-        donated = {id(leaves[i]) for i in donated_idx if isinstance(leaves[i], torch.Tensor)}
+        donated = set(map(id, map(leaves.__getitem__, donated_idx)))  # (ids of non-tensors: unused)
         out, typed_problem = _step.EAGER, None
         with _rng.stream(_rng.rank_index(mesh, axes)):  # dropout: per rank and step
             if self.compiled is not None:
@@ -188,9 +188,10 @@ class Step:
         elif typed_problem:
             raise ValueError(typed_problem)
         if donated:
-            kept = {id(x) for x in _tree.tree_leaves(out)}
-            for x in leaves:
-                if id(x) in donated and id(x) not in kept:
+            gone = donated.difference(map(id, _tree.tree_leaves(out)))
+            for i in donated_idx if gone else ():
+                x = leaves[i]
+                if id(x) in gone and isinstance(x, torch.Tensor):
                     self._consumed[id(x)] = weakref.ref(x)
         return out
 
@@ -201,9 +202,13 @@ class Step:
             mesh=mesh,
             axis=axes,
             size=mesh.size(axes) if axes else 1,
-            varying={id(leaves[i]) for i in sharded}
-            | {id(x) for x in leaves if isinstance(x, DTensor)},
-            inputs={id(x) for x in leaves},
+            varying=set(map(id, map(leaves.__getitem__, sharded)))
+            | (
+                {id(x) for x in leaves if isinstance(x, DTensor)}
+                if any(issubclass(t, DTensor) for t in set(map(type, leaves)))
+                else set()
+            ),
+            inputs=set(map(id, leaves)),
             scatter=scatter,
             donated=donated,
             reducers=self.reducers,

@@ -275,9 +275,16 @@ class Reducer:
         """The next backward pass is the last: its gradients complete the buckets."""
         self._last = True
 
+    def overlaps(self) -> bool:
+        """Whether buckets start reducing during the backward (then gradients must be
+        added as autograd produces them); shared-memory buckets wait for its end."""
+        return self.overlap and any(not b.shared for b in self.buckets)
+
     def _view(self, i: int) -> torch.Tensor:
         slot = self.slots[i]
         flat = self.buckets[slot.bucket].buffer
+        # (not cached: a view kept here would count as a caller's reference to the
+        # bucket, and the next step would have to reduce in fresh memory)
         return flat.narrow(0, slot.offset, slot.numel).as_strided(slot.shape, slot.stride)
 
     def add(self, i: int, grad: torch.Tensor, divisor: float | None = None) -> None:
