@@ -6,6 +6,7 @@
 
 from pardist.optim._adamw import AdamWState, adam, adamw
 from pardist.optim._base import GradientTransformation, Optimizer, chain
+from pardist.optim._groups import current_lr, masked, multi_transform, step_count
 from pardist.optim._schedules import (
     constant,
     cosine_decay,
@@ -13,6 +14,7 @@ from pardist.optim._schedules import (
     linear_warmup,
     one_cycle,
     piecewise_constant,
+    warmup_cosine,
 )
 from pardist.optim._sgd import SGDState, sgd
 from pardist.optim._sharded import ShardedState, sharded
@@ -29,13 +31,18 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "clip_by_value",
+    "current_lr",
     "constant",
     "cosine_decay",
     "flat_cos",
     "global_norm",
     "linear_warmup",
+    "masked",
+    "multi_transform",
     "one_cycle",
     "piecewise_constant",
     "sgd",
     "sharded",
+    "step_count",
+    "warmup_cosine",
 ]

@@ -118,7 +118,7 @@ def adamw(
             unflat(vmax) if amsgrad else None,
         )
 
-    return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"))
+    return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"), lr)
 
 
 def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:

@@ -50,6 +50,7 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[..., tuple[Any, Any]]
+    lr: Any = None  # its learning rate or schedule, for current_lr (None: not known)
 
 
 def chain(*parts: GradientTransformation | Optimizer) -> GradientTransformation | Optimizer:
@@ -86,8 +87,9 @@ def chain(*parts: GradientTransformation | Optimizer) -> GradientTransformation 
         out, s = last.update(grads, state[-1], params)
         return out, tuple(states + [s])
 
-    kind = Optimizer if isinstance(last, Optimizer) else GradientTransformation
-    return kind(init_fn, update_fn)
+    if isinstance(last, Optimizer):
+        return Optimizer(init_fn, update_fn, last.lr)
+    return GradientTransformation(init_fn, update_fn)
 
 
 def schedule_value(value: float | Callable[[int], float], count: torch.Tensor) -> float:

@@ -39,7 +39,13 @@ def cosine_decay(init_value: float, decay_steps: int, alpha: float = 0.0) -> Sch
 
 
 def linear_warmup(schedule: Schedule | float, warmup_steps: int, start: float = 0.0) -> Schedule:
-    """Ramp linearly from ``start`` to ``schedule`` over ``warmup_steps``, then follow it."""
+    """Ramp linearly from ``start`` to ``schedule(0)`` over ``warmup_steps``, then follow it.
+
+    The inner schedule starts counting after the warm-up: at step ``warmup_steps + n``
+    it is ``schedule(n)``. So a cosine inside decays over its own ``decay_steps`` after
+    the warm-up; for warm-up and decay within ``total_steps`` in one call, see
+    :func:`warmup_cosine`.
+    """
     after = schedule if callable(schedule) else constant(schedule)
 
     def warm(count: int) -> float:
@@ -48,6 +54,37 @@ def linear_warmup(schedule: Schedule | float, warmup_steps: int, start: float = 
         return start + (after(0) - start) * count / warmup_steps
 
     return warm
+
+
+def warmup_cosine(
+    peak: float, warmup_steps: int, total_steps: int, start: float = 0.0, end: float = 0.0
+) -> Schedule:
+    """Linear warm-up from ``start`` to ``peak``, then a cosine down to ``end`` at
+    ``total_steps`` (counted from the first step, warm-up included).
+
+    Equal to ``torch.optim.lr_scheduler.LambdaLR`` with the same formula: ``lr(t) =
+    start + (peak - start) * t / warmup_steps`` during the warm-up, then ``end + (peak -
+    end) * (1 + cos(pi * (t - warmup_steps) / (total_steps - warmup_steps))) / 2``.
+
+    Example:
+        >>> import pardist
+        >>> s = pardist.optim.warmup_cosine(1.0, warmup_steps=2, total_steps=6)
+        >>> [round(s(t), 3) for t in range(7)]
+        [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0]
+    """
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(
+            f"pardist.optim.warmup_cosine: warmup_steps={warmup_steps} must be at least 0 "
+            f"and less than total_steps={total_steps}."
+        )
+
+    def schedule(count: int) -> float:
+        if count < warmup_steps:
+            return start + (peak - start) * count / warmup_steps
+        pct = min(count - warmup_steps, total_steps - warmup_steps) / (total_steps - warmup_steps)
+        return _cos(peak, end, pct)
+
+    return schedule
 
 
 def one_cycle(

@@ -118,4 +118,4 @@ def sgd(
             SGDState(next_count(state.count, in_place), new_buffers),
         )
 
-    return Optimizer(init_fn, on_shards(update_fn, "pardist.optim.sgd.update"))
+    return Optimizer(init_fn, on_shards(update_fn, "pardist.optim.sgd.update"), lr)

@@ -234,4 +234,4 @@ def sharded(
         new_state = ShardedState(_tree.tree_unflatten(rewrapped, inner_def), state.signature, axes)
         return _tree.tree_unflatten(new_params, treedef), new_state
 
-    return Optimizer(init_fn, update_fn)
+    return Optimizer(init_fn, update_fn, opt.lr)
