@@ -26,6 +26,7 @@ from pardist.data._gather import gather, gather_object
 from pardist.gradients._grad import grad, value_and_grad
 from pardist.launch._spawn import SpawnError, spawn
 from pardist.nn._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
+from pardist.nn._export import state_dict
 from pardist.nn._functional import functional
 from pardist.runtime._mesh import Mesh, distributed, init
 from pardist.runtime._process import (
@@ -98,6 +99,7 @@ __all__ = [
     "shutdown",
     "spawn",
     "specs",
+    "state_dict",
     "state_specs",
     "value_and_grad",
     "world_size",

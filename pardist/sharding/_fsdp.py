@@ -25,7 +25,16 @@ from pardist.runtime import _mesh, _tree
 from pardist.runtime._compat import DisableTorchFunctionSubclass, dtensor_local, dtensor_spec
 from pardist.transport._scatter import shard_range
 
-__all__ = ["Guarded", "axes_of", "fsdp", "grad_inputs", "is_shard", "like", "original_shape"]
+__all__ = [
+    "Guarded",
+    "axes_of",
+    "fsdp",
+    "grad_inputs",
+    "is_shard",
+    "like",
+    "original_shape",
+    "recorded_shape",
+]
 
 # The axes each shard mesh spans (a flattened mesh has one joined name).
 _AXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -136,6 +145,14 @@ def axes_of(x: DTensor, mesh: _mesh.Mesh) -> tuple[str, ...] | None:
 def like(local: torch.Tensor, template: DTensor) -> DTensor:
     """``local`` as a DTensor with ``template``'s mesh, placements and global shape."""
     return DTensor(local, dtensor_spec(template), requires_grad=False)
+
+
+def recorded_shape(key: str, numel: int) -> torch.Size | None:
+    """The shape ``fsdp`` saw for the parameter at ``key`` (``"['0.weight']"``), or None."""
+    shape = _SHAPES.get((key, numel))
+    if shape is None:  # fsdp was given a subtree of this tree: match the path's tail
+        shape = next((s for (k, n), s in _SHAPES.items() if n == numel and key.endswith(k)), None)
+    return shape
 
 
 def original_shape(key: str, numel: int) -> str:
