@@ -28,25 +28,23 @@ Typical use, the same under ``python`` and ``torchrun``::
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
 import shutil
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _tree
+from pardist.runtime import _progress, _tree
+from pardist.runtime._integrity import MARKER, CheckpointError, cause, checksums, verify
 from pardist.step import _replication
 
-__all__ = ["MARKER", "CheckpointError", "latest", "load", "save", "steps"]
+__all__ = ["MARKER", "CheckpointError", "latest", "load", "resume", "save", "steps"]
 
-MARKER = "pardist.json"  # written last: a checkpoint without it is not one
 _FORMAT = 1
 
 
@@ -82,67 +80,6 @@ def _writer_class():
             return super().write_data(plan, planner)
 
     return Writer
-
-
-class CheckpointError(Exception):
-    """A checkpoint could not be written or read back whole (names the file or path).
-
-    torch.distributed.checkpoint raises ``CheckpointException``, a ``BaseException``
-    that ``except Exception`` does not catch; pardist raises this instead, from it.
-    """
-
-
-def _checksums(folder: Path) -> dict[str, int]:
-    """CRC-32 of every file a save wrote into ``folder`` that this host can see."""
-    return {
-        f.name: _checksums_of(f)
-        for f in sorted(folder.iterdir())
-        if f.is_file() and f.name != MARKER
-    }
-
-
-def _verify(path: Path) -> None:
-    """Every file the marker lists still has the checksum it was saved with."""
-    with open(path / MARKER) as f:
-        saved = json.load(f).get("checksums", {})
-    for name, crc in saved.items():
-        file = path / name
-        if file.is_file() and _checksums_of(file) != crc:
-            raise CheckpointError(
-                f"pardist.checkpoint.load: {file} does not have the checksum it was saved "
-                "with: the file changed on disk (a flipped bit, a partial copy). Load an "
-                "earlier checkpoint (pardist.checkpoint.steps(dir) lists them)."
-            )
-
-
-def _checksums_of(file: Path) -> int:
-    crc = 0
-    with open(file, "rb") as data:
-        while chunk := data.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def _cause(exc: BaseException) -> str:
-    """What failed inside DCP: the first rank's exception, and whether the disk was full."""
-    failures = getattr(exc, "failures", None) or {}
-    inner = [  # DCP keeps (exception, traceback summary) per rank
-        f[0] if isinstance(f, tuple) else f for f in failures.values()
-    ]
-    inner = [e for e in inner if isinstance(e, BaseException)] or [exc]
-    chain = []
-    for e in inner:
-        while e is not None and e not in chain:
-            chain.append(e)
-            e = e.__cause__ or e.__context__
-    full = any(isinstance(e, OSError) and e.errno in _FULL for e in chain) or any(
-        "No space left" in str(e) or "File too large" in str(e) for e in chain
-    )
-    first = f"{type(inner[0]).__name__}: {str(inner[0]).strip().splitlines()[0][:300]}"
-    return ("full", first) if full else ("", first)
 
 
 def _distributed() -> bool:
@@ -192,7 +129,7 @@ def _commit(tmp: Path, final: Path, step: int | None, keys: int, keep: int | Non
                 "leaves": keys,
                 "time": time.time(),
                 "world_size": dist.get_world_size() if _distributed() else 1,
-                "checksums": _checksums(tmp),
+                "checksums": checksums(tmp),
             },
             f,
         )
@@ -278,7 +215,7 @@ def save(
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save: free what it took
-        kind, first = _cause(exc)
+        kind, first = cause(exc)
         last = latest(final.parent) if step is not None else None
         kept = f"the last good checkpoint, {last}, is intact" if last else "nothing was lost"
         if kind == "full":
@@ -377,7 +314,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         )
     named, treedef = _flat(like)
     _check_against(path, named)
-    _verify(path)
+    verify(path)
     state = {
         key: torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
         for key, leaf in named
@@ -394,8 +331,51 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise CheckpointError(
-            f"pardist.checkpoint.load: reading {path} failed ({_cause(exc)[1]})."
+            f"pardist.checkpoint.load: reading {path} failed ({cause(exc)[1]})."
         ) from exc
     # Tensors are filled in place; Python values land in the planner's own dict.
     loaded = planner.state_dict
     return _tree.tree_unflatten([loaded[key] for key, _ in named], treedef)
+
+
+def resume(path: str | os.PathLike, like: Any, *, total: int | None = None, key: str = "epoch"):
+    """The newest checkpoint in ``path`` loaded like ``like`` (``like`` itself if none),
+    saying on rank 0 what it did.
+
+    "resumed from ckpt/2 at epoch 2", "nothing left to do: epoch 3 of 3 already done"
+    (when ``state[key] >= total``), or "no checkpoint in ckpt: starting afresh"; and a
+    warning when the run's length changed since the checkpoint (``total`` against the
+    checkpoint's ``state['total']``, if the state keeps one): a schedule over the whole
+    run then changes its shape from here on.
+
+    Example:
+        >>> import pardist, tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> _ = pardist.checkpoint.save(d, {'w': torch.ones(1), 'epoch': 3}, step=3)
+        >>> state = pardist.checkpoint.resume(d, {'w': torch.zeros(1), 'epoch': 0}, total=3)
+        pardist.checkpoint: nothing left to do: epoch 3 of 3 already done (...)
+    """
+    last = latest(path)
+    if last is None:
+        _progress.print0(f"pardist.checkpoint: no checkpoint in {path}: starting afresh")
+        return like
+    state = load(last, like)
+    done = state.get(key) if isinstance(state, dict) else None
+    if total is not None and isinstance(done, int) and done >= total:
+        _progress.print0(
+            f"pardist.checkpoint: nothing left to do: {key} {done} of {total} already done ({last})"
+        )
+    else:
+        at = f" at {key} {done}" if done is not None else ""
+        _progress.print0(f"pardist.checkpoint: resumed from {last}{at}")
+    saved = state.get("total") if isinstance(state, dict) else None
+    if total is not None and isinstance(saved, int) and saved != total:
+        import warnings
+
+        warnings.warn(
+            f"pardist.checkpoint.resume: the run's length changed since {last}: {saved} "
+            f"{key}s then, {total} now; a schedule over the whole run (one_cycle, "
+            "warmup_cosine) changes its shape from here on.",
+            stacklevel=2,
+        )
+    return state

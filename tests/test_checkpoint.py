@@ -221,3 +221,18 @@ def test_a_full_disk_is_named_and_keeps_the_last_checkpoint(tmp_path):
     got = checkpoint.load(checkpoint.latest(tmp_path), {"w": torch.zeros(4)})
     assert torch.equal(got["w"], torch.ones(4))
     assert not (tmp_path / "2.tmp").exists()
+
+
+def test_resume_says_what_it_did(tmp_path, capsys):
+    like = {"w": torch.zeros(2), "epoch": 0, "total": 3}
+    assert checkpoint.resume(tmp_path, like, total=3) is like
+    assert f"no checkpoint in {tmp_path}: starting afresh" in capsys.readouterr().out
+    checkpoint.save(tmp_path, {"w": torch.ones(2), "epoch": 2, "total": 3}, step=2)
+    state = checkpoint.resume(tmp_path, like, total=3)
+    assert state["epoch"] == 2 and torch.equal(state["w"], torch.ones(2))
+    assert f"resumed from {tmp_path / '2'} at epoch 2" in capsys.readouterr().out
+    checkpoint.save(tmp_path, {"w": torch.ones(2), "epoch": 3, "total": 3}, step=3)
+    checkpoint.resume(tmp_path, like, total=3)
+    assert "nothing left to do: epoch 3 of 3 already done" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match="the run's length changed .* 3 epochs then, 5 now"):
+        checkpoint.resume(tmp_path, like, total=5)
