@@ -1,0 +1,43 @@
+"""The seeds' other examples (fastai's tabular and text), end to end under python and torchrun."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+LAUNCHERS = {
+    "python": [sys.executable],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    + ["--nproc_per_node=2"],
+}
+
+
+def _run(script: str, launcher: str, *args: str, cwd: Path) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [*LAUNCHERS[launcher], str(ROOT / "examples" / script), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_tabular_learns_beyond_the_majority_class(launcher, tmp_path):
+    out = _run("tabular.py", launcher, cwd=tmp_path)
+    found = re.search(r"held-out accuracy: ([0-9.]+) \(majority class: ([0-9.]+), 89", out)
+    assert found, out
+    accuracy, majority = map(float, found.groups())
+    assert accuracy > majority + 0.15, out
