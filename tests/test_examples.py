@@ -41,3 +41,13 @@ def test_tabular_learns_beyond_the_majority_class(launcher, tmp_path):
     assert found, out
     accuracy, majority = map(float, found.groups())
     assert accuracy > majority + 0.15, out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_text_model_beats_the_unigram_baseline(launcher, tmp_path):
+    out = _run("text.py", launcher, "--bytes", "120000", "--epochs", "1", cwd=tmp_path)
+    found = re.search(r"held-out: ([0-9.]+) bits/byte \(unigram baseline: ([0-9.]+);", out)
+    assert found, out
+    bits, unigram = map(float, found.groups())
+    assert bits < unigram - 0.5, out
