@@ -118,3 +118,21 @@ def test_two_ranks_train_as_one_process(run, name, transport):
     assert got["layout"] == []  # every gradient has its parameter's strides
     if name == "custom/dictnet":  # a parameter no rank uses: a zero gradient, not None
         assert not got["grads"]["unused.weight"].any()
+
+
+@pytest.mark.parametrize("name", ["transformers/gpt2", "transformers/t5"])
+def test_trained_params_go_back_into_the_model_and_through_save_pretrained(name, tmp_path):
+    # Tied weights (GPT-2's lm_head, T5's shared embedding) come back under every name.
+    kind = zoo.MODELS[name].kind
+    apply, params, buffers = pardist.functional(zoo.build(name))
+    params = {k: v + 0.01 * torch.randn_like(v) for k, v in params.items()}  # "trained"
+    model = zoo.build(name)
+    model.load_state_dict(pardist.state_dict(params, buffers, model), strict=True)
+    b = zoo.batch(name, 0)
+    call = lambda *a, **k: apply(params, buffers, *a, train=False, **k)[0]  # noqa: E731
+    want = zoo.loss_of(zoo.forward(call, kind, b), kind, b)
+    model.eval()
+    assert torch.equal(zoo.loss_of(zoo.forward(model, kind, b), kind, b), want)
+    model.save_pretrained(tmp_path)
+    again = type(model).from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(zoo.loss_of(zoo.forward(again, kind, b), kind, b), want)
