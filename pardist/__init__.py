@@ -25,7 +25,7 @@ from pardist.collectives._exchange import all_to_all, psum_scatter
 from pardist.data._gather import gather, gather_object
 from pardist.gradients._grad import grad, value_and_grad
 from pardist.launch._spawn import SpawnError, spawn
-from pardist.nn._batchnorm import CrossReplicaBatchNorm, convert_batchnorm
+from pardist.nn._convert import CrossReplicaBatchNorm, convert_batchnorm
 from pardist.nn._export import state_dict
 from pardist.nn._functional import functional
 from pardist.runtime._mesh import Mesh, distributed, init

@@ -27,7 +27,14 @@ import torch.func
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives, _vma
-from pardist.gradients import _bucketed, _depends, _microbatch, _perrank, _traced_grad
+from pardist.gradients import (
+    _bucketed,
+    _depends,
+    _deterministic,
+    _microbatch,
+    _perrank,
+    _traced_grad,
+)
 from pardist.gradients._bucketed import Call
 from pardist.runtime import _tree
 from pardist.runtime._compat import functorch
@@ -119,9 +126,10 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     ctx = current_step()
     k, mean = options["accumulate"], options["mean"]
     weighted = mean == "rows" and ctx is not None and ctx.size > 1
+    groups = ctx.deterministic if ctx is not None else 0
     flat = [_tree.tree_flatten(a) for a in args]
     masks = _microbatch.batch_masks(
-        flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted
+        flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted or groups
     )
     carry = _microbatch.check_carry(options["carry"], len(args), nums, masks, has_aux, where)
     for n in nums:
@@ -169,7 +177,9 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
     call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
     call.need_value = options["need_value"]
-    if ctx is not None and ctx.plan is not None:  # inside data_parallel(compile=True)
+    if groups:  # data_parallel(step, deterministic=G): the same bits at any world size
+        value, aux, grads = _deterministic.compute(call, ctx, leaves)
+    elif ctx is not None and ctx.plan is not None:  # inside data_parallel(compile=True)
         value, aux, grads = _traced_grad.compute(call, ctx, leaves)
     elif ctx is None or _in_transform(leaves):
         value, aux, grads = _compute_functorch(call, ctx, leaves)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import threading
 import types
 
 import torch
@@ -40,7 +41,7 @@ from pardist.collectives import _collectives
 from pardist.runtime._compat import assert_async
 from pardist.runtime._context import current_step
 
-__all__ = ["CrossReplicaBatchNorm", "convert_batchnorm", "prepare", "synchronised"]
+__all__ = ["cross_replica_batch_norm", "prepare", "synchronised"]
 
 _BatchNormBase = nn.modules.batchnorm._BatchNorm
 # Batch-norm functions that run with running statistics only: always exact.
@@ -78,6 +79,15 @@ def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
 
     float64 tensors of shapes (1,), (C,), (C,). ``where()`` names the call.
     """
+    count = x.numel() // x.shape[1] if x.shape[1] else 0
+    total = _collectives.psum(local_moments(x), axis)
+    if count <= 1:  # with 2+ rows here, there are 2+ in all
+        _check_rows(total[0], x, where)
+    return global_moments(total, x.shape[1])
+
+
+def local_moments(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s per-channel count, sum and sum of squares: float64, shape (1 + 2C,)."""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
     compiling = torch.compiler.is_compiling()
@@ -95,10 +105,11 @@ def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
     # in float64: the sum of squares less N * mean^2 then keeps the variance to
     # ~1e-16 * mean^2 / var, and the local moments came from a stable kernel.
     mean, var = mean.double(), var.double()
-    local = torch.cat([mean.new_ones(1), mean, _addcmul(var, mean, mean)]).mul_(count)
-    total = _collectives.psum(local, axis)
-    if count <= 1:  # with 2+ rows here, there are 2+ in all
-        _check_rows(total[0], x, where)
+    return torch.cat([mean.new_ones(1), mean, _addcmul(var, mean, mean)]).mul_(count)
+
+
+def global_moments(total: torch.Tensor, channels: int) -> tuple:
+    """(count, mean, biased variance) from summed :func:`local_moments`."""
     moments = total[1:] / total[:1]
     mean = moments[:channels]
     return total[:1], mean, (moments[channels:] - mean * mean).clamp_(min=0)
@@ -163,30 +174,44 @@ class _BatchNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g, *_):
         x, weight, count, mean, var = ctx.saved_tensors
-        channels = x.shape[1]
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if x.numel():  # sum(g * xhat), sum(g) over this rank's rows, in one pass
-            stats = mean.to(compute), var.to(compute)
-            # Eval mode reads the statistics from the running slots; CUDA's kernel
-            # asserts that the saved ones are defined, and empty means "not saved".
-            unsaved = x.new_empty(0, dtype=compute)
-            _, dw, db = torch.ops.aten.native_batch_norm_backward(
-                g, x, weight, *stats, unsaved, unsaved, False, ctx.eps, [False, True, True]
-            )
-        else:  # (torch's kernel divides by zero on an empty input)
-            dw = db = g.new_zeros(channels, dtype=compute)
-        # Per-channel factors in float64 (C values): with few rows per channel the
-        # terms of dx nearly cancel, and float32 factors would show in it.
+        db, dw = grad_sums(g, x, weight, mean, var, ctx.eps)
         sums = _collectives.psum(torch.cat([db, dw]).double(), ctx.axis).div_(count)
-        invstd = torch.rsqrt(var + ctx.eps)
-        k = invstd if weight is None else invstd * weight.double()
-        a = (k * invstd).mul_(sums[channels:])  # the xhat term, per unit of (x - mean)
-        shift = _addcmul(k * sums[:channels], a, mean, value=-1).neg_()
-        factors = torch.cat([shift, k, a]).to(compute)
-        shift, k, a = (_per_channel(f, x) for f in factors.split(channels))
-        dx = _addcmul(_addcmul(shift, g, k), x, a, value=-1).to(x.dtype)
+        dx = input_grad(g, x, weight, sums, mean, var, ctx.eps)
         grad_w, grad_b = (None if d is None else t.to(d) for t, d in zip((dw, db), ctx.dtypes))
         return dx, grad_w, grad_b, None, None, None
+
+
+def grad_sums(g, x, weight, mean, var, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum(g), sum(g * xhat))`` per channel over ``x``'s rows, in one pass of torch's kernel."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if not x.numel():  # (torch's kernel divides by zero on an empty input)
+        zeros = g.new_zeros(x.shape[1], dtype=compute)
+        return zeros, zeros
+    stats = mean.to(compute), var.to(compute)
+    # Eval mode reads the statistics from the running slots; CUDA's kernel
+    # asserts that the saved ones are defined, and empty means "not saved".
+    unsaved = x.new_empty(0, dtype=compute)
+    _, dw, db = torch.ops.aten.native_batch_norm_backward(
+        g, x, weight, *stats, unsaved, unsaved, False, eps, [False, True, True]
+    )
+    return db, dw
+
+
+def input_grad(g, x, weight, sums, mean, var, eps) -> torch.Tensor:
+    """``dx`` from the global per-channel means of ``g`` and ``g * xhat`` (``sums``, float64).
+
+    Per-channel factors in float64 (C values): with few rows per channel the
+    terms of dx nearly cancel, and float32 factors would show in it.
+    """
+    channels = x.shape[1]
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    invstd = torch.rsqrt(var + eps)
+    k = invstd if weight is None else invstd * weight.double()
+    a = (k * invstd).mul_(sums[channels:])  # the xhat term, per unit of (x - mean)
+    shift = _addcmul(k * sums[:channels], a, mean, value=-1).neg_()
+    factors = torch.cat([shift, k, a]).to(compute)
+    shift, k, a = (_per_channel(f, x) for f in factors.split(channels))
+    return _addcmul(_addcmul(shift, g, k), x, a, value=-1).to(x.dtype)
 
 
 # torch.autograd.Function.apply binds arguments with inspect.signature on every call
@@ -203,34 +228,49 @@ def cross_replica_batch_norm(
     if eps <= 0:
         raise ValueError(f"{where()}: batch_norm eps must be positive during training, got {eps}")
     y, count, mean, var = _BatchNorm.apply(x, weight, bias, eps, axis, where)
-    with torch.no_grad():  # as torch's kernels: momentum * new + (1 - momentum) * old
-        # (not lerp_: under torch.func, compiled steps cannot trace its fma)
+    update_running(running_mean, running_var, count, mean, var, momentum)
+    return y
+
+
+def update_running(running_mean, running_var, count, mean, var, momentum) -> None:
+    """As torch's kernels: momentum * new + (1 - momentum) * old, with the unbiased variance."""
+    with torch.no_grad():  # (not lerp_: under torch.func, compiled steps cannot trace its fma)
         if running_mean is not None:
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype) * momentum)
         if running_var is not None:
             unbiased = var * (count / (count - 1))
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype) * momentum)
-    return y
 
 
-_running: list[_CrossReplica] = []
+class _Running(threading.local):
+    """The cross-replica modes entered on this thread (the deterministic mode's row
+    groups run the model on threads of their own)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_CrossReplica] = []
+
+
+_RUNNING = _Running()
 
 
 class _CrossReplica(TorchFunctionMode):
     """Batch-norm calls with batch statistics, computed over ``axis``; the rest untouched."""
 
-    def __init__(self, axis: tuple[str, ...], skeleton: nn.Module | None, where: str, seen=None):
+    def __init__(
+        self, axis: tuple[str, ...], skeleton: nn.Module | None, where: str, seen=None, groups=0
+    ):
         super().__init__()
         self.axis, self.skeleton, self.where, self.seen = axis, skeleton, where, seen
+        self.groups = groups  # the deterministic mode's row groups (0: off)
         self.calls = 0  # batch norms made cross-replica
         self.norms = 0  # batch-norm functions called at all (eval mode, instance norm too)
 
     def __enter__(self):
-        _running.append(self)
+        _RUNNING.stack.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _running.pop()
+        _RUNNING.stack.pop()
         if self.seen is not None and "none" not in self.seen and exc[0] is None:
             self.seen["none"] = self.norms == 0 and not _has_norm_modules(self.skeleton)
         return super().__exit__(*exc)
@@ -245,6 +285,10 @@ class _CrossReplica(TorchFunctionMode):
             if training:
                 self.calls += 1
                 where = lambda: f"{self.where}: {self.module_path()}"  # noqa: E731
+                if self.groups:  # statistics over every row group, in group order
+                    from pardist.nn import _groupnorm
+
+                    return _groupnorm.batch_norm(x, rm, rv, w, b, momentum, eps, where)
                 return cross_replica_batch_norm(x, rm, rv, w, b, momentum, eps, self.axis, where)
         elif _other_batch_norm(func) and self._trains(func, args, kwargs):
             raise RuntimeError(
@@ -283,7 +327,7 @@ def _overrides_forward(module: nn.Module, base: type) -> bool:
 
 def _sync_batchnorm_forward(module: nn.SyncBatchNorm, x: torch.Tensor) -> torch.Tensor:
     """nn.SyncBatchNorm inside a step: its statistics over the step's axis, not the world group."""
-    if _running or (current_step() is not None and module.training):
+    if _RUNNING.stack or (current_step() is not None and module.training):
         module._check_non_zero_input_channels(x)
         return _BatchNormBase.forward(module, x)  # F.batch_norm, which the mode makes cross-replica
     return nn.SyncBatchNorm.forward(module, x)
@@ -291,7 +335,7 @@ def _sync_batchnorm_forward(module: nn.SyncBatchNorm, x: torch.Tensor) -> torch.
 
 def _refuse(where: str, path: str):
     def hook(module, args):
-        if _running:
+        if _RUNNING.stack:
             raise RuntimeError(
                 f"{where}: module {path!r} is a {type(module).__name__}, a subclass of "
                 "nn.SyncBatchNorm with its own forward, which synchronises through "
@@ -309,15 +353,15 @@ def _expect_call(where: str, path: str):
     seen: list[int] = []
 
     def before(module, args):
-        if _running:
-            seen.append(_running[-1].calls)
+        if _RUNNING.stack:
+            seen.append(_RUNNING.stack[-1].calls)
 
     def after(module, args, out):
-        if not _running or not seen:
+        if not _RUNNING.stack or not seen:
             return
         start = seen.pop()
         batch_stats = module.training or (module.running_mean is None)
-        if batch_stats and _running[-1].calls == start:
+        if batch_stats and _RUNNING.stack[-1].calls == start:
             raise RuntimeError(
                 f"{where}: module {path!r} ({type(module).__name__}) is a batch norm whose "
                 "forward did not call F.batch_norm or torch.batch_norm, so pardist cannot "
@@ -353,87 +397,16 @@ def synchronised(skeleton: nn.Module | None, train: bool, where: str, seen: dict
     module that called no batch-norm function then runs without the mode.
     """
     ctx = current_step()
-    if not train or ctx is None or ctx.size == 1:
+    if not train or ctx is None or (ctx.size == 1 and not ctx.deterministic):
         return contextlib.nullcontext()
     if torch.compiler.is_compiling():  # traced: a graph, no per-op cost to save
         return _CrossReplica(ctx.axis, skeleton, where, None)
     if seen is not None and seen.get("none"):
         return contextlib.nullcontext()
-    return _CrossReplica(ctx.axis, skeleton, where, seen)
+    return _CrossReplica(ctx.axis, skeleton, where, seen, ctx.deterministic)
 
 
 def _has_norm_modules(skeleton: nn.Module | None) -> bool:
     return skeleton is None or any(
         isinstance(m, nn.modules.batchnorm._NormBase) for m in skeleton.modules()
     )
-
-
-class CrossReplicaBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """A BatchNorm{1,2,3}d whose training statistics span the data-parallel axis.
-
-    :func:`pardist.functional` needs no conversion (it synchronises every batch
-    norm of the model as it is); this class is for models run by other means
-    inside a step, e.g. ``torch.func.functional_call``.
-
-    Example:
-        >>> import pardist, torch
-        >>> bn = pardist.CrossReplicaBatchNorm(3)
-        >>> bn(torch.randn(4, 3)).shape  # outside a step: plain batch norm
-        torch.Size([4, 3])
-    """
-
-    def _check_input_dim(self, x: torch.Tensor) -> None:
-        if x.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ctx = current_step()
-        if _running or not self.training or ctx is None or ctx.size == 1:
-            return super().forward(x)
-        with _CrossReplica(ctx.axis, None, f"pardist.CrossReplicaBatchNorm({self.num_features})"):
-            return super().forward(x)
-
-
-def convert_batchnorm(module: nn.Module) -> nn.Module:
-    """Return ``module`` with every plain batch-norm layer made a :class:`CrossReplicaBatchNorm`.
-
-    Not needed with :func:`pardist.functional`, which synchronises every batch
-    norm as it is. Children are replaced in place and the (possibly new) root is
-    returned, as ``nn.SyncBatchNorm.convert_sync_batchnorm`` does; parameters and
-    buffers keep their names and tensors. A subclass with its own ``forward``
-    (timm's ``BatchNormAct2d``) would lose it, so it is refused, naming its path.
-
-    Example:
-        >>> import pardist, torch
-        >>> net = pardist.convert_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
-        >>> type(net[0]).__name__
-        'CrossReplicaBatchNorm'
-    """
-    for path, child in module.named_modules():
-        if isinstance(child, _BatchNormBase) and not _plain(child):
-            raise TypeError(
-                f"pardist.convert_batchnorm: module {path or '(the root)'!r} is a "
-                f"{type(child).__name__} with its own forward, which converting would drop. "
-                "Use pardist.functional(model), which synchronises it as it is."
-            )
-    return _convert(module)
-
-
-def _plain(module: nn.Module) -> bool:
-    """A batch norm whose forward is torch's own (so converting it changes nothing else)."""
-    return (
-        isinstance(module, CrossReplicaBatchNorm)
-        or type(module) is nn.SyncBatchNorm
-        or not _overrides_forward(module, _BatchNormBase)
-    )
-
-
-def _convert(module: nn.Module) -> nn.Module:
-    if isinstance(module, _BatchNormBase) and not isinstance(module, CrossReplicaBatchNorm):
-        new = CrossReplicaBatchNorm.__new__(CrossReplicaBatchNorm)
-        new.__dict__.update(module.__dict__)  # same parameters, buffers and settings
-        new.__dict__.pop("process_group", None)
-        return new
-    for name, child in list(module.named_children()):
-        module._modules[name] = _convert(child)
-    return module

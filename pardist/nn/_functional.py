@@ -18,7 +18,7 @@ from torch import nn
 
 from pardist.collectives import _collectives
 from pardist.nn import _batchnorm, _frozen
-from pardist.runtime import _placement, _tree
+from pardist.runtime import _lockstep, _placement, _tree
 from pardist.runtime._context import current_step
 from pardist.sharding import _apply, _units
 
@@ -69,6 +69,13 @@ class _Slots:
             for table, attr, kind, name, meta in self.places
         ]
 
+    def _installed(self) -> list:
+        return [table[attr] for table, attr, *_ in self.places]
+
+    def _install(self, tensors: list) -> None:
+        for (table, attr, *_), t in zip(self.places, tensors):
+            table[attr] = t
+
     def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict) -> Any:
         for kind, given in (("_parameters", params), ("_buffers", buffers)):
             if given.keys() != self.kinds[kind]:
@@ -84,7 +91,9 @@ class _Slots:
         try:
             for table, attr, kind, name, _ in self.places:
                 table[attr] = sources[kind][name]
-            out = self.skeleton(*inputs, **kwargs)
+            # The deterministic mode's row groups share the skeleton: each keeps its own.
+            with _lockstep.switching(self._installed, self._install):
+                out = self.skeleton(*inputs, **kwargs)
             for table, attr, kind, name, _ in self.places:
                 if kind == "_buffers":  # a module may have replaced a buffer: keep its new one
                     buffers[name] = table[attr]
@@ -167,7 +176,15 @@ def functional(
             else:
                 out = slots.call(params, new_buffers, inputs, kwargs)
         ctx = current_step()
-        if train and not sync_bn and ctx is not None and ctx.size > 1:
+        if train and not sync_bn and ctx is not None and ctx.deterministic:
+            if _batchnorm._has_norm_modules(skeleton):
+                raise ValueError(
+                    f"{where}: sync_bn=False normalises each rank's rows on their own, which "
+                    "the deterministic mode cannot make the same at every world size. Use "
+                    "pardist.functional(model) (sync_bn=True): statistics over the global "
+                    "batch, added over the row groups in order."
+                )
+        elif train and not sync_bn and ctx is not None and ctx.size > 1:
             stats = {
                 k: v for k, v in new_buffers.items() if v.is_floating_point() and k not in frozen
             }

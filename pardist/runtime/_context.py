@@ -57,6 +57,8 @@ class StepContext:
     # Inside data_parallel(step, compile=True): the step's static facts (compile._step.Plan);
     # collectives and pardist.grad then take their traceable paths. None when eager.
     plan: Any = None
+    # data_parallel(step, deterministic=G): the number of row groups (0: off).
+    deterministic: int = 0
 
 
 _active: list[StepContext] = []

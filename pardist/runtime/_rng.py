@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["rank_index", "rng_count", "set_rng_count", "stream"]
+__all__ = ["group_seed", "rank_index", "rng_count", "set_rng_count", "stream"]
 
 _state = {"count": 0, "depth": 0, "seed": 0}
 
@@ -63,6 +63,13 @@ def derive(seed: int, index: int, count: int) -> int:
     """The stream's seed: a hash of (seed, index, count), below ``2**63``."""
     text = f"pardist-step-rng:{seed}:{index}:{count}".encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def group_seed(group: int) -> int:
+    """The seed of row group ``group``'s stream in the running step (deterministic mode):
+    from the seed and the step count, not the rank, so the same at every world size."""
+    seed = _state["seed"] if _state["depth"] > 0 else torch.initial_seed()
+    return derive(seed, -1 - group, _state["count"])
 
 
 def _seed(value: int, cuda: bool) -> None:

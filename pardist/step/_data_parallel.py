@@ -98,6 +98,7 @@ def data_parallel(
     overlap: bool = True,
     bucket_mb: float = 25.0,
     compile: bool | dict = False,  # noqa: A002 - JAX's jit and torch.compile's word
+    deterministic: int | None = None,
 ):
     """Make ``fn`` a data-parallel step over ``axis``: each rank calls it with its own data.
 
@@ -138,6 +139,12 @@ def data_parallel(
             defaults to True). A step that cannot be compiled (Python control flow
             on tensor values, tensor parallelism over a model axis of size > 1)
             runs eagerly after one warning naming the reason.
+        deterministic: G, a number of row groups: the same bits at every world
+            size that divides G (docs/deterministic.md). The global batch is cut
+            into G groups of rows; each runs its own forward and backward, and
+            every sum over rows (gradients, loss, batch-norm statistics) adds the
+            G groups' sums in one fixed order. Dropout draws per group. Costs a
+            gather of G partial gradients instead of one all-reduce.
 
     Returns:
         A function with ``fn``'s signature. Its first call (and every call under
@@ -167,6 +174,7 @@ def data_parallel(
         overlap=overlap,
         bucket_mb=bucket_mb,
         compile=compile,
+        deterministic=deterministic,
     )
     if fn is None:
         return lambda f: data_parallel(f, **options)
@@ -182,6 +190,21 @@ def data_parallel(
         raise TypeError(
             "pardist.data_parallel: in_specs must be a tuple with one spec tree "
             f"per positional argument, got a {type(in_specs).__name__}."
+        )
+    name = getattr(fn, "__name__", "fn")
+    if deterministic is not None and (
+        isinstance(deterministic, bool) or not isinstance(deterministic, int) or deterministic < 1
+    ):
+        raise ValueError(
+            f"pardist.data_parallel({name}): deterministic={deterministic!r}; give the number "
+            "of row groups G, an int that every world size you will run at divides (e.g. 12 "
+            "for 1, 2, 3, 4 and 6 ranks)."
+        )
+    if deterministic and (compile or compression is not None):
+        raise ValueError(
+            f"pardist.data_parallel({name}): deterministic={deterministic} runs eagerly and in "
+            "full precision; it cannot be combined with "
+            f"{'compile' if compile else 'compression'}. Drop one of them."
         )
     if compression not in _COMPRESSION:
         raise ValueError(
@@ -199,4 +222,5 @@ def data_parallel(
         overlap=overlap,
         bucket_mb=bucket_mb,
         compile=compile,
+        deterministic=deterministic or 0,
     )

@@ -62,8 +62,10 @@ class Step:
         overlap: bool = True,
         bucket_mb: float = 25.0,
         compile: bool | dict = False,  # noqa: A002 - torch.compile's word
+        deterministic: int = 0,
     ):
         functools.update_wrapper(self, fn)
+        self.deterministic = deterministic
         self.fn, self.axis, self.mesh = fn, axis, mesh
         self.in_specs, self.out_specs = in_specs, out_specs
         self.donate_argnums = (
@@ -215,6 +217,7 @@ class Step:
             compression=self.compression,
             overlap=self.overlap,
             bucket_bytes=int(self.bucket_mb * 2**20),
+            deterministic=self.deterministic,
         )
         # Track varying axes only where an axis beyond the data axes can make values differ.
         live = {a for a, n in mesh.shape.items() if n > 1}

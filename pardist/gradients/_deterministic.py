@@ -1,0 +1,170 @@
+"""``pardist.grad`` in the deterministic mode: the same bits at every world size.
+
+``data_parallel(step, deterministic=G)`` cuts the global batch into G row groups
+(rank r holds groups ``r*n .. r*n+n-1``, ``n = G / world size``). Each group runs
+its own forward and backward, with the kernels of its own shape, exactly as it
+would in a one-process run of the same G groups; the groups run in lockstep
+(``runtime._lockstep``) so that batch norm can take statistics over all of them.
+Each group's gradient is its own sum, and the G gradients are added left to
+right in group order (``collectives._fold``) on every rank, then divided by G:
+the gradient of the mean of the groups' losses. So is the loss.
+
+Row groups draw random numbers (dropout) from a stream of their own, derived
+from the seed, the group's index and the step count: the same mask for the same
+rows at every world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from pardist.collectives import _fold
+from pardist.gradients import _microbatch
+from pardist.gradients._bucketed import Call, split_value
+from pardist.runtime import _rng, _tree
+from pardist.runtime._context import StepContext
+from pardist.runtime._lockstep import Lockstep
+
+__all__ = ["check_groups", "compute"]
+
+
+def check_groups(groups: int, size: int, where: str) -> int:
+    """The number of row groups on each rank, or an error naming G, the world size and the fix."""
+    if groups % size:
+        import math
+
+        raise ValueError(
+            f"{where}: deterministic={groups} row groups cannot be shared evenly by "
+            f"{size} ranks: {groups} is not a multiple of {size}. Use a G that every world "
+            f"size you run at divides (e.g. deterministic={math.lcm(groups, size)})."
+        )
+    return groups // size
+
+
+def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
+    """(global value, aux, flat gradients) of one call, in the deterministic mode."""
+    where, groups = call.where, ctx.deterministic
+    n = check_groups(groups, ctx.size, where)
+    if call.accumulate != 1 or call.mean != "ranks":
+        raise ValueError(
+            f"{where}: the deterministic mode already runs the batch as {groups} row groups; "
+            "it takes neither accumulate nor mean='rows' (every group has the same rows). "
+            "Leave them at their defaults."
+        )
+    if any(isinstance(t, DTensor) for t in leaves) or any(
+        not r and not s for r, s in zip(call.replicated, call.split)
+    ):
+        raise ValueError(
+            f"{where}: the deterministic mode differentiates replicated parameters and the "
+            "batch only; parameters sharded over an axis (pardist.fsdp, tensor parallelism) "
+            "are not supported in it yet."
+        )
+    _check_rows(call, n, groups, ctx, where)
+    parts = _microbatch.split(call.flat, call.masks, n, where) if n > 1 else None
+    first = _rng.rank_index(ctx.mesh, ctx.axis) * n if ctx.size > 1 else 0
+    seeds = [_rng.group_seed(first + j) for j in range(n)]
+    positions = [(a, k) for a in call.nums for k in range(len(call.flat[a][0]))]
+    inputs: list[list[torch.Tensor]] = [
+        [
+            (parts[j][a][k] if parts is not None and s else t).detach().requires_grad_()
+            for t, s, (a, k) in zip(leaves, call.split, positions)
+        ]
+        for j in range(n)
+    ]
+
+    def run_group(j: int):
+        margs = call.args
+        if parts is not None:
+            margs = tuple(
+                _tree.tree_unflatten(p, treedef) for p, (_, treedef) in zip(parts[j], call.flat)
+            )
+        out = call.f(*call.with_inputs(margs, inputs[j]), **call.kwargs)
+        return split_value(out, call.has_aux, where)
+
+    outs = Lockstep(n, seeds, where).run(run_group)
+    values = [v for v, _ in outs]
+    flat_inputs = [t for group in inputs for t in group]
+    grads = torch.autograd.grad(
+        values,
+        flat_inputs,
+        grad_outputs=[torch.ones_like(v) for v in values],
+        allow_unused=True,
+        materialize_grads=True,
+    )
+    per_group = [grads[j * len(leaves) : (j + 1) * len(leaves)] for j in range(n)]
+    value = _fold_values(values, call.rows, ctx, groups, where)
+    out = [None] * len(leaves)
+    by_dtype: dict = {}
+    for i, t in enumerate(leaves):
+        if call.split[i]:  # a batch input's gradient: its groups' in order, over n
+            out[i] = torch.cat([g[i] for g in per_group]) / n
+        else:
+            by_dtype.setdefault((t.dtype, t.device), []).append(i)
+    for index in by_dtype.values():
+        local = torch.stack([torch.cat([g[i].reshape(-1) for i in index]) for g in per_group])
+        total = _fold.ordered_sum(local, ctx).div_(groups)
+        for i, piece in zip(index, total.split([leaves[i].numel() for i in index])):
+            out[i] = piece.view(leaves[i].shape)
+    return value, _aux([a for _, a in outs]) if call.has_aux else None, out
+
+
+def _check_rows(call: Call, n: int, groups: int, ctx: StepContext, where: str) -> None:
+    rows = call.rows
+    if rows < 0:
+        raise ValueError(
+            f"{where}: the deterministic mode cuts the batch into row groups, but the "
+            "batch leaves disagree on their number of rows; name the arguments that hold "
+            "the batch with batch_argnums=(...)."
+        )
+    if rows % n:
+        total = rows * ctx.size
+        raise ValueError(
+            f"{where}: deterministic={groups} cuts the global batch into {groups} row groups, "
+            f"but this rank's {rows} rows (a global batch of {total} at {ctx.size} ranks) "
+            f"cannot be cut into {n} equal groups. Use a global batch size that is a multiple "
+            f"of {groups} (e.g. {-(-total // groups) * groups}), with drop_last=True in the "
+            "loader, or another G."
+        )
+
+
+def _fold_values(values: list, rows: int, ctx: StepContext, groups: int, where: str):
+    """The mean of every group's loss, added in group order; checks that shards are equal."""
+    local = torch.stack([v.detach().reshape(()).double() for v in values])
+    local = torch.stack([local, torch.full_like(local, rows)], dim=1)
+    every = _fold.gather_groups(local, ctx)  # (exact: float64 holds any loss's value)
+    if ctx.size > 1 and not bool((every[:, 1] == rows).all()):
+        n = len(values)
+        shown = ", ".join(f"rank {r}: {int(every[r * n, 1])}" for r in range(ctx.size))
+        raise ValueError(
+            f"{where}: the deterministic mode needs every rank to hold the same number of "
+            f"rows, but they differ ({shown}). Give every rank an equal share of a global "
+            "batch: pardist.data.shard(loader, split_batches=True) with drop_last=True."
+        )
+    total = every[:, 0].to(values[0].dtype)
+    value = total[0].clone()
+    for v in total[1:]:
+        value = value + v
+    return value / groups
+
+
+def _aux(items: list) -> Any:
+    """The groups' aux as one rank's: equal leaves once, rows joined, scalars stacked."""
+    if len(items) == 1:
+        return items[0]
+    flat = [_tree.tree_flatten(a)[0] for a in items]
+    treedef = _tree.tree_flatten(items[0])[1]
+    leaves = []
+    for column in zip(*flat):
+        x = column[0]
+        if not isinstance(x, torch.Tensor):
+            leaves.append(x)
+        elif all(c.shape == x.shape and torch.equal(c, x) for c in column[1:]):
+            leaves.append(x)
+        elif x.dim() > 0:
+            leaves.append(torch.cat([c.detach() for c in column]))
+        else:
+            leaves.append(torch.stack([c.detach() for c in column]))
+    return _tree.tree_unflatten(leaves, treedef)

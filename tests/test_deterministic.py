@@ -1,0 +1,171 @@
+"""The deterministic mode: the same bits at world size 1, 2, 3 and 4.
+
+``data_parallel(step, deterministic=12)`` on an MLP with dropout, a conv net with
+batch norm and a small transformer, trained for a few steps with SGD-momentum
+and with AdamW, on both transports: the parameters, optimizer state, buffers
+and losses are ``torch.equal`` at every world size, and every rank holds the
+same bits. Bad input (a G the world size does not divide, a batch G does not
+divide, unequal shards) is an error naming the numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pardist
+
+G = 12
+TRANSPORTS = {"shm": None, "gloo": {"PARDIST_SHM": "0"}}
+
+
+class Tiny(nn.Module):
+    """A one-block transformer classifier over token ids, with dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)).mean(1))
+
+
+def model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(
+            nn.Linear(10, 32), nn.ReLU(), nn.Dropout(0.25), nn.Linear(32, 32), nn.Tanh(),
+            nn.Linear(32, 5),
+        )  # fmt: skip
+    if kind == "bn":
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5), nn.BatchNorm1d(5),
+        )  # fmt: skip
+    return Tiny()
+
+
+def batches(kind: str, steps: int, rows: int = 24) -> list:
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        xs = [torch.randn(rows, 10, generator=g) for _ in range(steps)]
+    elif kind == "bn":
+        xs = [torch.randn(rows, 3, 8, 8, generator=g) * 2 + 0.5 for _ in range(steps)]
+    else:
+        xs = [torch.randint(0, 40, (rows, 6), generator=g) for _ in range(steps)]
+    return [(x, torch.randint(0, 5, (rows,), generator=g)) for x in xs]
+
+
+def train(kind: str, optimizer: str, steps: int = 3, groups: int = G):
+    """On every rank: ``steps`` deterministic steps on this rank's slice of each batch."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels at every world size
+    try:
+        pardist.seed_everything(0)
+        apply, params, buffers = pardist.functional(model(kind))
+        opt = (
+            pardist.optim.sgd(0.05, momentum=0.9)
+            if optimizer == "sgd"
+            else pardist.optim.adamw(3e-3, weight_decay=0.01)
+        )
+        opt_state = opt.init(params)
+
+        def loss_fn(p, b, x, y):
+            out, b = apply(p, b, x)
+            return F.cross_entropy(out, y), b
+
+        @pardist.data_parallel(deterministic=groups)
+        def step(p, b, s, batch):
+            (loss, b), g = pardist.value_and_grad(loss_fn, has_aux=True)(p, b, *batch)
+            p, s = opt.update(g, s, p)
+            return p, b, s, loss
+
+        r, n = pardist.rank(), pardist.world_size()
+        losses = []
+        for x, y in batches(kind, steps):
+            rows = len(x) // n
+            mine = (x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
+            params, buffers, opt_state, loss = step(params, buffers, opt_state, mine)
+            losses.append(loss)
+        return params, buffers, opt_state, losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assert_equal(a, b, what: str) -> None:
+    la, _ = torch.utils._pytree.tree_flatten(a)
+    lb, _ = torch.utils._pytree.tree_flatten(b)
+    assert len(la) == len(lb), what
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), f"{what}: leaf {i} differs by {(x - y).abs().max()}"
+        else:
+            assert x == y, what
+
+
+@pytest.mark.parametrize("kind", ["mlp", "bn", "transformer"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_bit_identical_at_world_sizes_1_to_4(run, kind, optimizer):
+    one = run(1, train, kind, optimizer)[0]
+    for n in (2, 3, 4):
+        results = run(n, train, kind, optimizer)
+        for r, result in enumerate(results):
+            assert_equal(result, one, f"{kind}/{optimizer} at {n} ranks, rank {r}")
+    # it trains: every parameter moved
+    start = dict(model(kind).named_parameters())
+    assert all(not torch.equal(p, start[k]) for k, p in one[0].items())
+
+
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_both_transports(run, transport):
+    one = run(1, train, "bn", "adamw")[0]
+    for n in (2, 4):
+        for result in run(n, train, "bn", "adamw", env=TRANSPORTS[transport]):
+            assert_equal(result, one, f"bn/adamw on {transport} at {n} ranks")
+
+
+def test_close_to_plain_torch(run):
+    """The deterministic mode computes the same function as one plain torch process."""
+    params, buffers, _, losses = run(2, train, "bn", "sgd", 1)[0]
+    net = model("bn")
+    x, y = batches("bn", 1)[0]
+    loss = F.cross_entropy(net(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in net.parameters():
+            p -= 0.05 * p.grad
+    assert float(losses[0]) == pytest.approx(loss.item(), rel=1e-5)
+    for k, p in net.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
+    for k, b in net.named_buffers():
+        torch.testing.assert_close(buffers[k], b, rtol=1e-5, atol=1e-6)
+
+
+def _bad(groups: int, rows: int):
+    apply, params, buffers = pardist.functional(nn.Linear(4, 2))
+
+    @pardist.data_parallel(deterministic=groups)
+    def step(p, batch):
+        return pardist.grad(lambda p, x: apply(p, buffers, x)[0].sum())(p, batch)
+
+    try:
+        step(params, torch.ones(rows, 4))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_bad_groups_and_rows_name_the_numbers(run):
+    message = run(3, _bad, 8, 4)[0]
+    assert "deterministic=8" in message and "3 ranks" in message and "deterministic=24" in message
+    message = run(2, _bad, 4, 3)[0]
+    assert "6 at 2 ranks" in message and "multiple of 4" in message
+    with pytest.raises(ValueError, match="row groups"):
+        pardist.data_parallel(lambda p, b: p, deterministic=0)
+    with pytest.raises(ValueError, match="compile"):
+        pardist.data_parallel(lambda p, b: p, deterministic=4, compile=True)
