@@ -96,6 +96,11 @@ def _flat(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
     return named, _tree.tree_flatten(tree)[1]
 
 
+def _stateful(leaf: Any) -> bool:
+    """DCP's ``Stateful``: a leaf saved as its ``state_dict()`` (a pardist.data.shard loader)."""
+    return not isinstance(leaf, torch.Tensor) and callable(getattr(leaf, "load_state_dict", None))
+
+
 def _on_rank0(what: str, fn, *args) -> Any:
     """Run ``fn`` on rank 0 only; every rank returns its result or raises its error."""
     outcome: list[Any] = [None]
@@ -156,8 +161,9 @@ def save(
     Args:
         path: the checkpoint directory; with ``step``, the directory of
             checkpoints, and this one goes to ``path/<step>`` (orbax's layout).
-        tree: any pytree (dicts, lists, tuples, NamedTuples) of tensors, DTensors
-            and picklable Python values. Plain leaves must be the same on every rank
+        tree: any pytree (dicts, lists, tuples, NamedTuples) of tensors, DTensors,
+            picklable Python values and ``pardist.data.shard`` loaders (saved as
+            their position; ``load`` makes the loader in ``like`` continue from it). Plain leaves must be the same on every rank
             (they are written once, by rank 0); DTensor leaves are written shard by
             shard by the ranks that hold them.
         step: the step number, which names the checkpoint inside ``path``.
@@ -188,6 +194,7 @@ def save(
     final = Path(path) / str(int(step)) if step is not None else Path(path)
     tmp = final.with_name(final.name + ".tmp")
     named, _ = _flat(tree)
+    named = [(k, leaf.state_dict() if _stateful(leaf) else leaf) for k, leaf in named]
     if _distributed() and dist.get_world_size() > 1:
         plain = [(p, leaf) for p, leaf in named if not isinstance(leaf, DTensor)]
         differs = _replication.mismatch(plain, dist.group.WORLD)
@@ -316,7 +323,11 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     _check_against(path, named)
     verify(path)
     state = {
-        key: torch.empty_like(leaf) if isinstance(leaf, torch.Tensor) else leaf
+        key: torch.empty_like(leaf)
+        if isinstance(leaf, torch.Tensor)
+        else leaf.state_dict()
+        if _stateful(leaf)
+        else leaf
         for key, leaf in named
     }
     planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
@@ -335,6 +346,10 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         ) from exc
     # Tensors are filled in place; Python values land in the planner's own dict.
     loaded = planner.state_dict
+    for key, leaf in named:
+        if _stateful(leaf):  # a loader continues from its saved position
+            leaf.load_state_dict(loaded[key])
+            loaded[key] = leaf
     return _tree.tree_unflatten([loaded[key] for key, _ in named], treedef)
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from pardist.data import _even, _gather
+from pardist.data import _even, _gather, _position
 from pardist.data._download import untar
 from pardist.data._even import Even, check_even, even
 from pardist.runtime import _mesh, _placement, _process, _seed
@@ -128,6 +128,8 @@ class ShardedLoader:
                 self.samples // batch_size if self.drop_last else -(-self.samples // batch_size)
             )
         self.epoch = 0
+        self._current, self._position = -1, 0  # the pass under way, its batches handed out
+        self._skip: tuple[int, int] | None = None  # (epoch, batches) to resume from
         self._check = check
         self._indices, self._generator = _Indices(), torch.Generator()
         self.device, self._only_cpu = device
@@ -141,7 +143,22 @@ class ShardedLoader:
         )
 
     def __len__(self) -> int:
-        return self.batches
+        """The next pass's number of batches (fewer in a pass resumed part-way)."""
+        return self.batches - (self._skip[1] if self._skip and self._skip[0] == self.epoch else 0)
+
+    def state_dict(self) -> dict:
+        """Where this loader is: the epoch and the global batches of it handed out.
+
+        The same on every rank, and independent of the world size with
+        ``split_batches=True``: :meth:`load_state_dict` at another world size then
+        continues with exactly the global batches an uninterrupted run would see.
+        :func:`pardist.checkpoint.save` calls it for a loader in the saved tree.
+        """
+        return _position.state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (:meth:`state_dict`'s): the next pass resumes that epoch."""
+        _position.load(self, state)
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next pass (as ``DistributedSampler``).
@@ -181,13 +198,14 @@ class ShardedLoader:
         order = self._order(self.epoch if epoch is None else epoch, share=False)
         return self._cut(order)
 
-    def _cut(self, order: torch.Tensor) -> torch.Tensor:
+    def _cut(self, order: torch.Tensor, skip: int = 0) -> torch.Tensor:
+        """This rank's indices of the epoch ``order``, from batch ``skip`` on."""
         w, r, bs = self.world_size, self.rank, self.batch_size
         if self.split_batches:
             padded = order[torch.arange(self.batches * bs * w) % self.n]
-            return padded.view(self.batches, w, bs)[:, r].reshape(-1)
+            return padded.view(self.batches, w, bs)[skip:, r].reshape(-1)
         padded = order[torch.arange(self.samples * w) % self.n]
-        return padded[r * self.samples : (r + 1) * self.samples]
+        return padded[r * self.samples + skip * bs : (r + 1) * self.samples]
 
     def _agree(self, epoch: int) -> None:
         mine = [self.n, self.batches, epoch]
@@ -209,16 +227,22 @@ class ShardedLoader:
         # iterator made and dropped (as some wrappers do) neither takes an epoch nor
         # calls a collective.
         epoch, self.epoch = self.epoch, self.epoch + 1
+        skip = self._skip[1] if self._skip and self._skip[0] == epoch else 0
+        self._skip = None
         share = self._check and _process.is_initialized() and dist.get_world_size() > 1
         if share:
             self._agree(epoch)
-        self._indices.indices = self._cut(self._order(epoch, share)).tolist()
+        self._indices.indices = self._cut(self._order(epoch, share), skip).tolist()
+        self._current, self._position = epoch, skip
         # Workers are seeded from a draw of the loader's generator (as torch does),
         # mixed with the rank, so that augmentation differs between ranks.
         draw = int(torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator))
         self._generator.manual_seed(_seed.rank_seed(draw, self.rank))
         batches = _placement.moved(iter(self._inner), self.device, self._only_cpu)
-        yield from _even.lockstep(batches, _WHERE) if share and debug_enabled() else batches
+        batches = _even.lockstep(batches, _WHERE) if share and debug_enabled() else batches
+        for batch in batches:
+            self._position += 1
+            yield batch
 
     def __repr__(self) -> str:
         return (

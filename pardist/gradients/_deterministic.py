@@ -16,6 +16,7 @@ rows at every world size.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -84,16 +85,17 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         out = call.f(*call.with_inputs(margs, inputs[j]), **call.kwargs)
         return split_value(out, call.has_aux, where)
 
-    outs = Lockstep(n, seeds, where).run(run_group)
-    values = [v for v, _ in outs]
-    flat_inputs = [t for group in inputs for t in group]
-    grads = torch.autograd.grad(
-        values,
-        flat_inputs,
-        grad_outputs=[torch.ones_like(v) for v in values],
-        allow_unused=True,
-        materialize_grads=True,
-    )
+    with _one_thread(leaves):
+        outs = Lockstep(n, seeds, where).run(run_group)
+        values = [v for v, _ in outs]
+        flat_inputs = [t for group in inputs for t in group]
+        grads = torch.autograd.grad(
+            values,
+            flat_inputs,
+            grad_outputs=[torch.ones_like(v) for v in values],
+            allow_unused=True,
+            materialize_grads=True,
+        )
     per_group = [grads[j * len(leaves) : (j + 1) * len(leaves)] for j in range(n)]
     value = _fold_values(values, call.rows, ctx, groups, where)
     out = [None] * len(leaves)
@@ -109,6 +111,21 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         for i, piece in zip(index, total.split([leaves[i].numel() for i in index])):
             out[i] = piece.view(leaves[i].shape)
     return value, _aux([a for _, a in outs]) if call.has_aux else None, out
+
+
+@contextlib.contextmanager
+def _one_thread(leaves: list):
+    """CPU kernels on one thread: a kernel's sums may be split across threads, so the same
+    thread count at every world size is what makes each group's bits the same."""
+    threads = torch.get_num_threads()
+    if threads == 1 or not any(t.device.type == "cpu" for t in leaves):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _check_rows(call: Call, n: int, groups: int, ctx: StepContext, where: str) -> None:

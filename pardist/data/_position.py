@@ -1,0 +1,90 @@
+"""A sharded loader's position, saved and resumed, at the same or another world size.
+
+The state is global, the same on every rank: the epoch, the global batches of it
+handed out, and what fixes the epoch's order (dataset size, seed, shuffle) and
+its batches (the global batch size). With ``split_batches=True`` every global
+batch is the same rows whatever the world size, so a run resumed at another
+world size continues with exactly the global batches an uninterrupted run would
+have seen (torchtitan refuses to resume after the data-parallel degree changes;
+this is what lets pardist do it). Without it each rank reads a contiguous piece
+of the epoch, so a pass can be resumed part-way only at the same world size;
+between epochs any world size works.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["load", "state"]
+
+_WHERE = "pardist.data.shard"
+_ORDER = ("n", "seed", "shuffle")
+
+
+def _global_batch(loader: Any) -> int:
+    return loader.batch_size * loader.world_size if loader.split_batches else loader.batch_size
+
+
+def state(loader: Any) -> dict:
+    """``loader``'s position as a dict of ints and bools."""
+    if loader._current >= 0 and loader._position < loader.batches:
+        epoch, done = loader._current, loader._position  # a pass under way
+    elif loader._skip is not None:
+        epoch, done = loader._skip  # loaded, not iterated yet
+    else:
+        epoch, done = loader.epoch, 0
+    return {
+        "epoch": epoch,
+        "batches": done,
+        "n": loader.n,
+        "seed": loader.seed,
+        "shuffle": loader.shuffle,
+        "split_batches": loader.split_batches,
+        "batch_size": _global_batch(loader),
+        "world_size": loader.world_size,
+    }
+
+
+def load(loader: Any, saved: dict) -> None:
+    """Make ``loader``'s next pass continue from ``saved``; an error if it cannot exactly."""
+    if not isinstance(saved, dict) or not {"epoch", "batches", *_ORDER} <= saved.keys():
+        raise TypeError(
+            f"{_WHERE}: load_state_dict takes the dict that state_dict() returned, got "
+            f"{type(saved).__name__}."
+        )
+    mine = state(loader)
+    differ = [f"{k} {saved[k]!r} then, {mine[k]!r} now" for k in _ORDER if saved[k] != mine[k]]
+    if differ:
+        raise ValueError(
+            f"{_WHERE}: the saved position is in another epoch order ({'; '.join(differ)}). "
+            "Resume with the same dataset, seed and shuffle as the saved run."
+        )
+    epoch, done = int(saved["epoch"]), int(saved["batches"])
+    if done:
+        same = (saved["split_batches"], saved["batch_size"]) == (
+            loader.split_batches,
+            _global_batch(loader),
+        )
+        if not same:
+            raise ValueError(
+                f"{_WHERE}: the saved run was {done} batches into epoch {epoch} with "
+                f"{_describe(saved)}; this loader has {_describe(mine)}, so the rest of the "
+                "epoch would be other batches. Resume with the same batch size (or after "
+                "the epoch ends)."
+            )
+        if not loader.split_batches and saved["world_size"] != loader.world_size:
+            raise ValueError(
+                f"{_WHERE}: the saved run was {done} batches into epoch {epoch} at world size "
+                f"{saved['world_size']}; without split_batches each rank reads its own piece "
+                f"of the epoch, so it can resume part-way only at world size "
+                f"{saved['world_size']} (this is {loader.world_size}). Shard with "
+                "split_batches=True (a global batch size) to resume at any world size."
+            )
+    loader.epoch = epoch
+    loader._skip = (epoch, done) if done else None
+    loader._current, loader._position = -1, 0
+
+
+def _describe(s: dict) -> str:
+    kind = "global" if s["split_batches"] else "per-rank"
+    return f"a {kind} batch size of {s['batch_size']}"
