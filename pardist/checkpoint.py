@@ -163,9 +163,10 @@ def save(
             checkpoints, and this one goes to ``path/<step>`` (orbax's layout).
         tree: any pytree (dicts, lists, tuples, NamedTuples) of tensors, DTensors,
             picklable Python values and ``pardist.data.shard`` loaders (saved as
-            their position; ``load`` makes the loader in ``like`` continue from it). Plain leaves must be the same on every rank
-            (they are written once, by rank 0); DTensor leaves are written shard by
-            shard by the ranks that hold them.
+            their position; ``load`` makes the loader in ``like`` continue from
+            it). Plain leaves must be the same on every rank (they are written
+            once, by rank 0); DTensor leaves are written shard by shard by the
+            ranks that hold them.
         step: the step number, which names the checkpoint inside ``path``.
         keep: with ``step``, keep only the newest ``keep`` checkpoints in ``path``.
 

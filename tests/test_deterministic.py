@@ -67,6 +67,7 @@ def train(kind: str, optimizer: str, steps: int = 3, groups: int = G):
     torch.set_num_threads(1)  # the same kernels at every world size
     try:
         pardist.seed_everything(0)
+        pardist.set_rng_count(0)  # a fresh run (these worker processes ran other tests)
         apply, params, buffers = pardist.functional(model(kind))
         opt = (
             pardist.optim.sgd(0.05, momentum=0.9)

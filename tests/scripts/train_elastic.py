@@ -42,6 +42,7 @@ def train(ckpt_dir: str, kill_rank: int = -1, kill_step: int = -1, log: str | No
     opt = pardist.optim.adamw(1e-2)
     state = {"params": params, "buffers": buffers, "opt_state": opt.init(params)}
     state.update(loader=train, step=0, rng=0)
+    pardist.set_rng_count(0)  # (the tests also run it in reused processes)
     if (last := pardist.checkpoint.latest(ckpt_dir)) is not None:
         state = pardist.checkpoint.load(last, state)
         pardist.set_rng_count(state["rng"])
