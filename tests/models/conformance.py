@@ -22,9 +22,12 @@ SGD = dict(lr=0.005, momentum=0.9)
 ADAMW = dict(lr=1e-3, weight_decay=1e-2, eps=1e-6)
 
 
-def on_ranks(name: str) -> dict:
+def on_ranks(name: str, deterministic: int | None = None) -> dict:
     """pardist on this rank's shards: first-step loss and gradients, then parameters,
-    buffers and losses after STEPS steps of each optimizer."""
+    buffers and losses after STEPS steps of each optimizer (``deterministic``: G row
+    groups, the deterministic mode)."""
+    if deterministic:
+        pardist.set_rng_count(0)  # a fresh run's dropout (the processes are reused)
     model = zoo.build(name)
     kind = zoo.MODELS[name].kind
     apply, params0, buffers0 = pardist.functional(model)
@@ -35,7 +38,7 @@ def on_ranks(name: str) -> dict:
         return zoo.loss_of(out, kind, b), new_buffers
 
     def make_step(opt):
-        @pardist.data_parallel
+        @pardist.data_parallel(deterministic=deterministic)
         def step(params, buffers, state, b):
             (loss, new_buffers), grads = pardist.value_and_grad(loss_fn, has_aux=True)(
                 params, buffers, b

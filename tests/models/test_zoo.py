@@ -120,6 +120,31 @@ def test_two_ranks_train_as_one_process(run, name, transport):
         assert not got["grads"]["unused.weight"].any()
 
 
+FLOORED = [name for name, entry in zoo.MODELS.items() if entry.floor]
+
+
+@pytest.mark.parametrize("name", FLOORED)
+def test_deterministic_mode_is_exact_where_the_default_needs_a_floor(run, name):
+    # deterministic=4: 4 row groups of 2 rows. 1 process and 2 ranks give the same bits,
+    # and both stay within plain torch's floor, as the default mode does.
+    one = run(1, conformance.on_ranks, name, 4, timeout=300)[0]
+    ranks = run(2, conformance.on_ranks, name, 4, timeout=300)
+    for got in ranks:
+        for opt in ("sgd", "adamw"):
+            assert got[opt]["losses"] == one[opt]["losses"], (name, opt)
+            for part in ("params", "buffers"):
+                for k, v in one[opt][part].items():
+                    assert torch.equal(got[opt][part][k], v), (name, opt, part, k)
+        for k, v in one["grads"].items():
+            assert torch.equal(got["grads"][k], v), (name, "grads", k)
+    cached = reference(name)
+    for key, err in conformance.errors(one, cached["ref"]).items():
+        tol = tolerance(key, cached["floor"])
+        assert err <= tol, (
+            f"{name} (deterministic): {key} differ by {err:.2e} (tolerance {tol:.1e})"
+        )
+
+
 @pytest.mark.parametrize("name", ["transformers/gpt2", "transformers/t5"])
 def test_trained_params_go_back_into_the_model_and_through_save_pretrained(name, tmp_path):
     # Tied weights (GPT-2's lm_head, T5's shared embedding) come back under every name.
