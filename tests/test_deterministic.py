@@ -47,12 +47,15 @@ def model(kind: str) -> nn.Module:
             nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5), nn.BatchNorm1d(5),
         )  # fmt: skip
+    if kind == "wide":  # 69,893 parameters: sums split over the ranks (collectives._fold)
+        return nn.Sequential(nn.Linear(10, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                             nn.Linear(256, 5))  # fmt: skip
     return Tiny()
 
 
 def batches(kind: str, steps: int, rows: int = 24) -> list:
     g = torch.Generator().manual_seed(1)
-    if kind == "mlp":
+    if kind in ("mlp", "wide"):
         xs = [torch.randn(rows, 10, generator=g) for _ in range(steps)]
     elif kind == "bn":
         xs = [torch.randn(rows, 3, 8, 8, generator=g) * 2 + 0.5 for _ in range(steps)]
@@ -109,7 +112,7 @@ def assert_equal(a, b, what: str) -> None:
             assert x == y, what
 
 
-@pytest.mark.parametrize("kind", ["mlp", "bn", "transformer"])
+@pytest.mark.parametrize("kind", ["mlp", "bn", "transformer", "wide"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_bit_identical_at_world_sizes_1_to_4(run, kind, optimizer):
     one = run(1, train, kind, optimizer)[0]
@@ -123,11 +126,12 @@ def test_bit_identical_at_world_sizes_1_to_4(run, kind, optimizer):
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))
-def test_both_transports(run, transport):
-    one = run(1, train, "bn", "adamw")[0]
-    for n in (2, 4):
-        for result in run(n, train, "bn", "adamw", env=TRANSPORTS[transport]):
-            assert_equal(result, one, f"bn/adamw on {transport} at {n} ranks")
+@pytest.mark.parametrize("kind", ["bn", "wide"])
+def test_both_transports(run, transport, kind):
+    one = run(1, train, kind, "adamw")[0]
+    for n in (2, 3):
+        for result in run(n, train, kind, "adamw", env=TRANSPORTS[transport]):
+            assert_equal(result, one, f"{kind}/adamw on {transport} at {n} ranks")
 
 
 def test_close_to_plain_torch(run):

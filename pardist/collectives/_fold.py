@@ -31,8 +31,34 @@ def gather_groups(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
 
 def ordered_sum(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     """The sum of every group's row (``local``: this rank's groups along dim 0), left to right."""
-    rows = gather_groups(local, ctx)
+    if ctx.size > 1 and local[0].numel() >= _SPLIT_NUMEL:
+        return _split_sum(local, ctx)
+    return _fold(gather_groups(local, ctx))
+
+
+_SPLIT_NUMEL = 2**16  # smaller sums (batch-norm statistics, losses) are gathered whole
+
+
+def _fold(rows: torch.Tensor) -> torch.Tensor:
     total = rows[0].clone()
     for row in rows[1:]:
         total.add_(row)
     return total
+
+
+def _split_sum(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """The same sum, each rank folding one slice of the columns (as a reduce-scatter):
+    an all-to-all sends each rank every group's values of its slice, and an all-gather
+    joins the folded slices. Each element is still added over groups 0..G-1 in order."""
+    size, group = ctx.size, ctx.mesh.group(ctx.axis)
+    n, shape = local.shape[0], local.shape[1:]
+    flat = local.reshape(n, -1)
+    width = flat.shape[1]
+    pad = -width % size
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    blocks = flat.view(n, size, -1).transpose(0, 1).contiguous()  # [rank, group, slice]
+    mine = _primitives.AllToAll.apply(blocks, group, 0, 0)  # every rank's groups, my slice
+    folded = _fold(mine.reshape(size * n, -1))
+    whole = torch.cat(_primitives._gather(folded, group))
+    return whole[:width].view(shape)

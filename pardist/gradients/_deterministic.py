@@ -105,10 +105,20 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             out[i] = torch.cat([g[i] for g in per_group]) / n
         else:
             by_dtype.setdefault((t.dtype, t.device), []).append(i)
-    for index in by_dtype.values():
-        local = torch.stack([torch.cat([g[i].reshape(-1) for i in index]) for g in per_group])
+    if ctx.size == 1:  # every group here: fold each gradient in place, no copies
+        for index in by_dtype.values():
+            for i in index:
+                total = per_group[0][i].clone()
+                for g in per_group[1:]:
+                    total.add_(g[i])
+                out[i] = total.div_(groups)
+    for index in by_dtype.values() if ctx.size > 1 else ():
+        sizes = [leaves[i].numel() for i in index]
+        local = leaves[index[0]].new_empty(n, sum(sizes))
+        for j, g in enumerate(per_group):  # one copy into the buffer the gather sends
+            torch.cat([g[i].reshape(-1) for i in index], out=local[j])
         total = _fold.ordered_sum(local, ctx).div_(groups)
-        for i, piece in zip(index, total.split([leaves[i].numel() for i in index])):
+        for i, piece in zip(index, total.split(sizes)):
             out[i] = piece.view(leaves[i].shape)
     return value, _aux([a for _, a in outs]) if call.has_aux else None, out
 

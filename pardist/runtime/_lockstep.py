@@ -18,6 +18,9 @@ on each thread.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -47,6 +50,30 @@ def switching(save: Callable[[], Any], restore: Callable[[Any], None]) -> Iterat
         yield
     finally:
         hooks.pop()
+
+
+class _Worker(threading.Thread):
+    """A thread kept for the next step: torch's first calls on a new thread cost
+    milliseconds (per-thread state of its kernels), so groups reuse their threads."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True, name="pardist-row-group")
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            self.tasks.get()()
+
+
+_pool: list[_Worker] = []
+os.register_at_fork(after_in_child=_pool.clear)  # (threads do not survive a fork)
+
+
+def _workers(n: int) -> list[_Worker]:
+    while len(_pool) < n:
+        _pool.append(_Worker())
+    return _pool[:n]
 
 
 class _Abort(BaseException):
@@ -85,7 +112,9 @@ class Lockstep:
 
     def __init__(self, n: int, seeds: list[int], where: str):
         self.n, self.where = n, where
-        self._cond = threading.Condition()
+        lock = threading.RLock()  # guards everything below
+        self._cond = threading.Condition(lock)
+        self._turns = [threading.Condition(lock) for _ in range(n)]  # one per group: wake one
         self._turn = 0
         self._slots: list = [None] * n
         self._outs: list = [None] * n
@@ -126,7 +155,7 @@ class Lockstep:
                 with self._cond:
                     if self._failed is None:
                         self._failed, self._failed_group = e, j
-                    self._cond.notify_all()
+                    self._wake_all()
             finally:
                 for c in reversed(contexts):
                     c.__exit__(None, None, None)
@@ -138,13 +167,17 @@ class Lockstep:
                     if self._failed is None and self._turn == j:
                         self._save(j)
                         self._pass(j)
-                    self._cond.notify_all()
+                    if self._failed is not None:
+                        self._wake_all()
+                    self._cond.notify_all()  # the caller counts the finished groups
 
-        threads = [threading.Thread(target=body, args=(j,), daemon=True) for j in range(self.n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if current() is not None:
+            raise RuntimeError(f"{self.where}: a deterministic gradient inside another one.")
+        for j, worker in enumerate(_workers(self.n)):
+            worker.tasks.put(functools.partial(body, j))
+        with self._cond:
+            while not all(self._finished):
+                self._cond.wait()
         self._rng.append(self._caller)
         self._restore(self.n)  # the caller's generators, as they were
         if self._failed is not None:
@@ -160,7 +193,7 @@ class Lockstep:
         with self._cond:
             if any(self._finished):
                 self._failed = self._diverged(self._finished.index(True))
-                self._cond.notify_all()
+                self._wake_all()
                 raise _Abort
             self._slots[j] = (what, value)
             if j < self.n - 1:
@@ -199,7 +232,11 @@ class Lockstep:
     def _pass(self, j: int) -> None:
         """Give the turn to the next group."""
         self._turn = (j + 1) % self.n
-        self._cond.notify_all()
+        self._turns[self._turn].notify()  # wake that group only
+
+    def _wake_all(self) -> None:
+        for turn in self._turns:
+            turn.notify_all()
 
     def _wait(self, j: int) -> None:
         with self._cond:
@@ -207,7 +244,7 @@ class Lockstep:
 
     def _wait_locked(self, j: int) -> None:
         while self._turn != j and self._failed is None:
-            self._cond.wait()
+            self._turns[j].wait()
         if self._failed is not None:
             raise _Abort
 
