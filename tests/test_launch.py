@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ def test_one_machine_needs_no_port():
     args, env = launch.prepare(["--nproc", "3", "--max-restarts", "2", "train.py", "-x"])
     assert (args.nproc_per_node, args.max_restarts) == ("3", 2)  # torchrun's options pass
     assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0")
-    assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PARDIST_JOIN_TIMEOUT": "300"}
     assert launch.prepare(["--nproc-per-node=4", "t.py"])[0].nproc_per_node == "4"
     with socket.socket() as s:  # a port given by hand: torchrun's static rendezvous on it
         s.bind(("127.0.0.1", 0))
@@ -150,3 +151,37 @@ def test_a_killed_rank_is_named_though_its_peer_lost_the_connection_in_an_earlie
     assert line.startswith(
         "pardist.launch: rank 0 (local rank 0, pid 1000) failed first: ValueError"
     )
+
+
+_LATE = """
+import sys, torch, pardist
+pardist.init()
+t = torch.ones(1)
+torch.distributed.all_reduce(t)
+print(f"rank {pardist.rank()}: {t.item():.0f}", flush=True)
+pardist.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_starts_late_still_joins(tmp_path):
+    # Rank 1 starts after rank 0 has waited longer than the collective timeout (2 s), as
+    # a worker on a loaded machine does: the wait for workers is bounded by the join
+    # timeout, not by PARDIST_TIMEOUT ("Timed out after 6 seconds waiting for clients").
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "late.py"
+    script.write_text(_LATE)
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    base.update(PARDIST_TIMEOUT="2", PARDIST_JOIN_TIMEOUT="60", LOCAL_RANK="0")
+    run = lambda r: subprocess.Popen(  # noqa: E731
+        [sys.executable, str(script)], env=dict(base, RANK=str(r)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    first = run(0)
+    time.sleep(5)  # longer than PARDIST_TIMEOUT: the old store gave up after it
+    second = run(1)
+    outs = [p.communicate(timeout=90) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    assert "rank 0: 2" in outs[0][0] and "rank 1: 2" in outs[1][0]

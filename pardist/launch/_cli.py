@@ -50,6 +50,7 @@ __all__ = ["DEFAULT_JOIN_TIMEOUT_S", "main", "prepare"]
 # torch waits 600 s for a missing node. Two minutes covers machines that start a
 # little apart and ends a job whose node died without tying up the others.
 DEFAULT_JOIN_TIMEOUT_S = 120
+WORKER_JOIN_S = 300  # workers' wait for each other to start, at least
 WHERE = "pardist.launch"
 
 
@@ -208,6 +209,9 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
         )
     if args.master_port is None:  # torch's run() fills it in since 2.12; 2.11's reads it as is
         args.master_port = 29500
+    # How long workers wait for each other to start (imports on a loaded machine take long;
+    # a lost node is the agents' to detect, within --join-timeout).
+    env["PARDIST_JOIN_TIMEOUT"] = str(max(args.join_timeout, WORKER_JOIN_S))
     return args, env
 
 

@@ -162,7 +162,7 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
         _faults.set_timeout(kwargs["timeout"].total_seconds())
         _faults.record_uncaught()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            store = _attempt_store(kwargs["timeout"])
+            store = _attempt_store(kwargs["timeout"]) or _env_store(kwargs["timeout"])
             if store is not None:
                 rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
                 dist.init_process_group(store=store, rank=rank_, world_size=world, **kwargs)
@@ -202,6 +202,31 @@ def _attempt_store(timeout: datetime.timedelta):
         timeout=timeout,
     )
     return dist.PrefixStore(f"pardist/attempt_{attempt}/", store)
+
+
+def _env_store(timeout: datetime.timedelta):
+    """env://'s store, but rank 0 waits for the others as long as they may take to start.
+
+    torch's env:// store waits for every worker with the collective timeout: with a
+    short ``PARDIST_TIMEOUT`` on a loaded machine, a worker that starts late failed the
+    job ("Timed out after 6 seconds waiting for clients. 3/4 clients joined"). The wait
+    for workers is bounded by the launcher's join timeout (``--join-timeout``, passed as
+    ``PARDIST_JOIN_TIMEOUT``; else 600 s); every later wait by the collective timeout.
+    """
+    if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
+        return None
+    join = float(os.environ.get("PARDIST_JOIN_TIMEOUT", "600"))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=int(os.environ["RANK"]) == 0,
+        timeout=max(timeout, datetime.timedelta(seconds=join)),
+        wait_for_workers=True,
+        multi_tenant=True,  # as env:// (another group in this process may share the port)
+    )
+    store.set_timeout(timeout)
+    return store
 
 
 def shutdown() -> None:
