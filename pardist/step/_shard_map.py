@@ -76,6 +76,7 @@ class Step:
         self.calls = 0
         self._specs_cache: dict = {}
         self._consumed: dict[int, weakref.ref] = {}  # donated leaves that are now invalid
+        self._prune_at = 256
         self.compiled = _step.compiled_step(compile, self.where)
 
     @property
@@ -247,8 +248,11 @@ class Step:
             ref = self._consumed.get(id(leaf))
             return ref is not None and ref() is leaf
 
-        if not any(consumed(leaf) for leaf in leaves):
-            self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
+        # The common case in C: no leaf's id is among the consumed ones.
+        if self._consumed.keys().isdisjoint(map(id, leaves)) or not any(map(consumed, leaves)):
+            if len(self._consumed) > self._prune_at:  # forget the dead, now and then
+                self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
+                self._prune_at = 2 * len(self._consumed) + 256
             return
         for path, leaf in _tree.leaves_with_paths(args, "args"):
             if consumed(leaf):
