@@ -174,3 +174,13 @@ def test_bad_groups_and_rows_name_the_numbers(run):
         pardist.data_parallel(lambda p, b: p, deterministic=0)
     with pytest.raises(ValueError, match="compile"):
         pardist.data_parallel(lambda p, b: p, deterministic=4, compile=True)
+
+
+def test_a_non_finite_loss_is_reported_as_in_the_default_mode(world1):
+    @pardist.data_parallel(deterministic=2)
+    def step(w, x):
+        return pardist.value_and_grad(lambda w, x: (x @ w).log().mean())(w, x)
+
+    with pytest.warns(pardist.NonFiniteLossWarning, match="loss is not finite on 1 of 1"):
+        value, _ = step(torch.ones(3), -torch.ones(4, 3))
+    assert value.isnan()

@@ -23,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _fold
-from pardist.gradients import _microbatch
+from pardist.gradients import _microbatch, _perrank
 from pardist.gradients._bucketed import Call, split_value
 from pardist.runtime import _rng, _tree
 from pardist.runtime._context import StepContext
@@ -170,6 +170,9 @@ def _fold_values(values: list, rows: int, ctx: StepContext, groups: int, where: 
             f"rows, but they differ ({shown}). Give every rank an equal share of a global "
             "batch: pardist.data.shard(loader, split_batches=True) with drop_last=True."
         )
+    per_rank = every[:, 0].view(ctx.size, -1).mean(1)
+    if _perrank.checked(per_rank, ctx):  # a non-finite loss: warned of, as in the default
+        _perrank.report(per_rank, [rows] * ctx.size, "ranks", ctx, where)
     total = every[:, 0].to(values[0].dtype)
     value = total[0].clone()
     for v in total[1:]:
