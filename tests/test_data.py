@@ -253,14 +253,14 @@ def test_even_lengths_are_compared_before_the_epoch(run):
     for message, seen, seconds in results:
         assert "different lengths (ranks 0, 2: 5; rank 1: 4)" in message
         assert "itertools.islice(loader, 4)" in message
-        assert seen == 0 and seconds < 5
+        assert seen == 0 and seconds < 20  # not PARDIST_TIMEOUT's 30 s
 
 
 def test_unsized_loaders_are_checked_every_step(run):
     results = run(2, _uneven, [3, 2], False, None)
     for message, seen, seconds in results:
         assert "rank 1 yielded 2 batches and stopped, while rank 0 had at least 3" in message
-        assert seen == 2 and seconds < 5
+        assert seen == 2 and seconds < 20  # not PARDIST_TIMEOUT's 30 s
     assert [r[:2] for r in run(2, _uneven, [3, 3], False, None)] == [(None, 3)] * 2
 
 
@@ -310,7 +310,7 @@ def _uneven_training(counts: list[int]):
 def test_uneven_training_loop_raises_instead_of_hanging(run):
     for message, seconds in run(2, _uneven_training, [2, 3]):
         assert "rank 0 yielded 2 batches and stopped, while rank 1 had at least 3" in message
-        assert seconds < 5
+        assert seconds < 20  # not PARDIST_TIMEOUT's 30 s
 
 
 def _shard_of_different_datasets():

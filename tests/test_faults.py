@@ -108,7 +108,7 @@ def test_plain_torchrun_restarts_too(run, tmp_path):
     assert all(torch.equal(resumed[k], reference[k]) for k in reference)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_crash_without_restarts_stops_every_rank_and_names_the_failing_one(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -124,7 +124,7 @@ def test_crash_without_restarts_stops_every_rank_and_names_the_failing_one(tmp_p
         "--pid-dir",
         pids,
         env={"PARDIST_TIMEOUT": "5"},
-        timeout=90,
+        timeout=240,
     )
     assert out.returncode != 0
     assert "pardist.launch: rank 1 (local rank 1" in out.stderr  # named, in one line
@@ -142,7 +142,7 @@ def test_crash_without_restarts_stops_every_rank_and_names_the_failing_one(tmp_p
         except ProcessLookupError:
             pass
     assert sorted(p.name for p in pids.iterdir()) == ["0", "1", "2"] and not alive
-    assert seconds < 60, f"took {seconds:.0f} s"
+    assert seconds < 150, f"took {seconds:.0f} s"  # bounded (PARDIST_TIMEOUT=5), not hung
     print(f"crash without restarts: every rank gone after {seconds:.1f} s")
 
 
@@ -157,7 +157,7 @@ def _skips_a_collective():
     return w
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_a_rank_that_skips_a_collective_gets_a_timeout_error_not_a_hang(run):
     t = time.monotonic()
     with pytest.raises(SpawnError) as info:
@@ -165,7 +165,7 @@ def test_a_rank_that_skips_a_collective_gets_a_timeout_error_not_a_hang(run):
     seconds = time.monotonic() - t
     assert info.value.rank == 0, str(info.value)[-2000:]
     assert re.search(r"[Tt]imed out|waited 3 s", str(info.value)), str(info.value)[-2000:]
-    assert seconds < 25, f"took {seconds:.0f} s"
+    assert seconds < 90, f"took {seconds:.0f} s"  # the 3 s timeout, not the call's 120 s
     print(f"skipped collective: timeout error after {seconds:.1f} s (PARDIST_TIMEOUT=3)")
 
 

@@ -142,14 +142,14 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
         pytest.fail(f"still running after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_two_nodes_train_digits_over_four_ranks_with_hierarchical_axes_and_hsdp(nodes, tmp_path):
     env = {"PARDIST_TIMEOUT": "60"}
     argv = ["--join-timeout", 60, SCRIPTS / "multinode.py", "--epochs", "1"]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     t = time.monotonic()
     procs = [nodes.launch(i, argv, env, logs[i]) for i in (0, 1)]
-    codes = [_wait(p, 150, log) for p, log in zip(procs, logs)]
+    codes = [_wait(p, 300, log) for p, log in zip(procs, logs)]
     out = logs[0].read_text()
     assert codes == [0, 0], out[-3000:] + logs[1].read_text()[-3000:]
     assert "hierarchical ('node', 'gpu') == flat" in out
@@ -161,7 +161,7 @@ def test_two_nodes_train_digits_over_four_ranks_with_hierarchical_axes_and_hsdp(
     )
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("lost", [1, 0], ids=["second-node-lost", "first-node-lost"])
 def test_a_failed_node_ends_the_job_on_the_other_within_the_join_timeout(nodes, tmp_path, lost):
     pids = tmp_path / "pids"
@@ -170,7 +170,7 @@ def test_a_failed_node_ends_the_job_on_the_other_within_the_join_timeout(nodes, 
     argv = ["--join-timeout", 10, "--max-restarts", 1, SCRIPTS / "node_fail.py", pids]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     procs = [nodes.launch(i, argv, env, logs[i]) for i in (0, 1)]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 240
     while len(list(pids.iterdir())) < 4:  # every rank has done an all-reduce
         assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
         assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
@@ -182,12 +182,14 @@ def test_a_failed_node_ends_the_job_on_the_other_within_the_join_timeout(nodes, 
     _ip("-n", nodes.names[lost], "link", "set", nodes.ifaces[lost], "down")
     nodes.kill(lost)
     t = time.monotonic()
-    code = _wait(procs[kept], 90, logs[kept])
+    code = _wait(procs[kept], 240, logs[kept])
     seconds = time.monotonic() - t
     out = logs[kept].read_text()
     assert code != 0, out[-3000:]
-    # collective timeout (5 s) + the restart's rendezvous, bounded by --join-timeout (10 s)
-    assert seconds < 45, f"node {kept} took {seconds:.0f} s to exit:\n{out[-3000:]}"
+    # The collective timeout (5 s), then the restart's rendezvous, bounded by --join-timeout
+    # (10 s): about 20 s on an idle machine, 58 s seen on a loaded one. Unbounded, torch's
+    # agent waits for the lost store for many minutes (600 s and more).
+    assert seconds < 200, f"node {kept} took {seconds:.0f} s to exit:\n{out[-3000:]}"
     assert (
         "not every node joined within --join-timeout=10 s"
         if lost == 1
