@@ -184,3 +184,33 @@ def test_a_non_finite_loss_is_reported_as_in_the_default_mode(world1):
     with pytest.warns(pardist.NonFiniteLossWarning, match="loss is not finite on 1 of 1"):
         value, _ = step(torch.ones(3), -torch.ones(4, 3))
     assert value.isnan()
+
+
+class _Fails(nn.Module):
+    """Raises on the row group whose first value is marked, after the others met at a BN."""
+
+    def forward(self, x):
+        if x[0, 0] > 100:
+            raise ZeroDivisionError("group with the marked row")
+        return x
+
+
+def test_an_error_in_one_group_is_raised_and_the_next_step_runs(world1):
+    torch.manual_seed(0)
+    net = nn.Sequential(_Fails(), nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    apply, params, buffers = pardist.functional(net)
+
+    @pardist.data_parallel(deterministic=4)
+    def step(p, x):
+        return pardist.value_and_grad(lambda p, x: apply(p, buffers, x)[0].mean())(p, x)
+
+    x = torch.randn(8, 3)
+    marked = x.clone()
+    marked[4, 0] = 1000.0  # the first row of group 2: groups 0 and 1 wait at the batch norm
+    with pytest.raises(ZeroDivisionError, match="marked row"):
+        step(params, marked)
+    value, grads = step(params, x)  # the kept threads are free again
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    want = ref(x).mean()
+    assert value.item() == pytest.approx(want.item(), rel=1e-5)

@@ -176,8 +176,13 @@ class Lockstep:
         for j, worker in enumerate(_workers(self.n)):
             worker.tasks.put(functools.partial(body, j))
         with self._cond:
-            while not all(self._finished):
-                self._cond.wait()
+            try:
+                while not all(self._finished):
+                    self._cond.wait()
+            except BaseException as e:  # Ctrl-C here: the groups must not wait on forever
+                self._failed = self._failed or e
+                self._wake_all()
+                raise
         self._rng.append(self._caller)
         self._restore(self.n)  # the caller's generators, as they were
         if self._failed is not None:
