@@ -11,11 +11,11 @@ from pardist.runtime import _compat  # noqa: F401  # isort: skip
 
 # isort: split
 from pardist import amp, checkpoint, data, optim
+from pardist.collectives._broadcast import broadcast
 from pardist.collectives._collectives import (
     all_gather,
     axis_index,
     axis_size,
-    broadcast,
     pmax,
     pmean,
     psum,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import _process
-from pardist.transport import _shm
+from pardist.transport import _shm, _shmgroups
 
 __all__ = ["schedule_key"]
 
@@ -50,13 +50,13 @@ def _arena(name: str, nbytes: int) -> _shm.SharedMemoryGroup | None:
 def shm_all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
     """Sum (or max) of ``x`` over ``group`` through shared memory; a new tensor."""
     nbytes = x.numel() * x.element_size()
-    arena = _arena(group, nbytes) if op == "sum" and nbytes > _shm.COLLECTIVE_BYTES else None
+    arena = _arena(group, nbytes) if op == "sum" and nbytes > _shmgroups.COLLECTIVE_BYTES else None
     if arena is not None:
         # Written once into this rank's region, summed chunk by chunk into the common area.
         arena.view(arena.index, 0, x.numel(), x.dtype).copy_(x.reshape(-1))
         return arena.reduce_into(0, x.numel(), x.dtype, 0).clone().view(x.shape)
     y = x.clone(memory_format=torch.contiguous_format)
-    shm = _shm.for_collectives(_group(group))
+    shm = _shmgroups.for_collectives(_group(group))
     if shm is None:
         dist.all_reduce(
             y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_group(group)
@@ -74,7 +74,7 @@ def _(x, group, op):
 @torch.library.custom_op("pardist::shm_all_gather", mutates_args=())
 def shm_all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in group order, through shared memory."""
-    shm = _shm.for_collectives(_group(group))
+    shm = _shmgroups.for_collectives(_group(group))
     parts = shm.all_gather(x) if shm is not None else None
     if parts is None:
         nbytes = x.numel() * x.element_size()

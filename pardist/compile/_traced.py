@@ -14,7 +14,7 @@ bucket (reverse parameter order, ~25 MB, the first ~1 MB, one dtype each), one
 all-reduce (or reduce-scatter, for a sharded optimizer) and views back, with the
 same layout and arithmetic as the eager reducer.
 
-Axes are looked up in the step's :class:`~pardist.compile._step.Plan`, which holds
+Axes are looked up in the step's :class:`~pardist.compile._plan.Plan`, which holds
 group names and sizes as plain constants (nothing a compiler must guard on
 changes between calls).
 """

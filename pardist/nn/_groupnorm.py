@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from pardist.collectives import _fold
-from pardist.nn import _batchnorm
+from pardist.nn import _bnmath
 from pardist.runtime import _lockstep
 from pardist.runtime._context import current_step
 
@@ -55,7 +55,7 @@ def _joint(every: list, momentum: float, eps: float, where) -> list[torch.Tensor
                                   *tensors)  # fmt: skip
     ys, (count, mean, var) = out[:n], out[n:]
     for rm, rv in zip(means, vars_):  # every group's copy of the buffers moves alike
-        _batchnorm.update_running(rm, rv, count, mean, var, momentum)
+        _bnmath.update_running(rm, rv, count, mean, var, momentum)
     return list(ys)
 
 
@@ -69,11 +69,11 @@ class _GroupedBatchNorm(torch.autograd.Function):
         weights = tensors[n : 2 * n] if has_weight else [None] * n
         biases = tensors[len(tensors) - n :] if has_bias else [None] * n
         channels = xs[0].shape[1]
-        local = torch.stack([_batchnorm.local_moments(x) for x in xs])
+        local = torch.stack([_bnmath.local_moments(x) for x in xs])
         total = _fold.ordered_sum(local, ctx_step)
         if float(total[0]) <= 1:
-            _batchnorm._check_rows(total[0], xs[0], where)
-        count, mean, var = _batchnorm.global_moments(total, channels)
+            _bnmath._check_rows(total[0], xs[0], where)
+        count, mean, var = _bnmath.global_moments(total, channels)
         compute = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
         ys = [
             torch.batch_norm(x, w, b, mean.to(compute), var.to(compute), False, 0.0, eps, True)
@@ -102,12 +102,10 @@ class _GroupedBatchNorm(torch.autograd.Function):
         xs = rest[:n]
         weights = rest[n:] if ctx.has_weight else [None] * n
         gs = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads[:n], xs)]
-        sums = [
-            _batchnorm.grad_sums(g, x, w, mean, var, ctx.eps) for g, x, w in zip(gs, xs, weights)
-        ]
+        sums = [_bnmath.grad_sums(g, x, w, mean, var, ctx.eps) for g, x, w in zip(gs, xs, weights)]
         local = torch.stack([torch.cat([db, dw]).double() for db, dw in sums])
         total = _fold.ordered_sum(local, ctx.step).div_(count)
-        dxs = [_batchnorm.input_grad(g, x, w, total, mean, var, ctx.eps)
+        dxs = [_bnmath.input_grad(g, x, w, total, mean, var, ctx.eps)
                for g, x, w in zip(gs, xs, weights)]  # fmt: skip
         dw = [dw.to(ctx.dtypes[0]) for _, dw in sums] if ctx.has_weight else []
         db = [db.to(ctx.dtypes[1]) for db, _ in sums] if ctx.has_bias else []

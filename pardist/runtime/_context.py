@@ -54,7 +54,7 @@ class StepContext:
     # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
     # pardist.grad does not report them.
     loss_scaled: bool = False
-    # Inside data_parallel(step, compile=True): the step's static facts (compile._step.Plan);
+    # Inside data_parallel(step, compile=True): the step's static facts (compile._plan.Plan);
     # collectives and pardist.grad then take their traceable paths. None when eager.
     plan: Any = None
     # data_parallel(step, deterministic=G): the number of row groups (0: off).

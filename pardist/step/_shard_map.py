@@ -245,8 +245,7 @@ class Step:
 
     def _check_not_consumed(self, leaves: list, args: tuple) -> None:
         def consumed(leaf: Any) -> bool:
-            ref = self._consumed.get(id(leaf))
-            return ref is not None and ref() is leaf
+            return (ref := self._consumed.get(id(leaf))) is not None and ref() is leaf
 
         # The common case in C: no leaf's id is among the consumed ones.
         if self._consumed.keys().isdisjoint(map(id, leaves)) or not any(map(consumed, leaves)):

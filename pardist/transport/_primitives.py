@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import _faults, _process
-from pardist.transport import _shm
+from pardist.transport import _shmgroups
 
 __all__ = [
     "AllGather",
@@ -44,15 +44,15 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 def _shared(x: torch.Tensor, group):
-    return _shm.for_collectives(group) if x.device.type == "cpu" else None
+    return _shmgroups.for_collectives(group) if x.device.type == "cpu" else None
 
 
 def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
     """A reduced copy of ``x``: via shared memory for CPU ranks on one host, else the backend."""
     y = x.detach().clone(memory_format=torch.contiguous_format)
     for group in groups:
-        small = y.device.type == "cpu" and y.numel() * y.element_size() <= _shm.SMALL_BYTES
-        shm = _shm.for_small_sums(group) if small else None
+        small = y.device.type == "cpu" and y.numel() * y.element_size() <= _shmgroups.SMALL_BYTES
+        shm = _shmgroups.for_small_sums(group) if small else None
         if shm is not None:  # one barrier, not three (batch-norm statistics, losses)
             y = shm.small_all_reduce(y, op)
             continue

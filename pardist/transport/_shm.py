@@ -11,27 +11,12 @@ copies every summed chunk from its owner: every rank ends with bit-identical
 results, so replicas stay identical. The gradient reducer keeps its buckets
 *in* the regions, so gradients are written once and reduced in place.
 
-Synchronisation is a sequence counter per rank in the same segment. A rank that
-must wait spins for a few microseconds (ranks in step meet without a system
-call), then sleeps on a futex over a shared wake word that the last rank to
-arrive bumps: a waiting rank never holds a core the others need, which matters
-with more ranks than cores. Waits are bounded by the collective timeout, and a
-rank that times out names the ranks that never arrived.
-
-Beside its counter, each rank posts a signature of the collective it is in (its
-name, dtype and shape). Ranks whose signatures differ would otherwise combine
-unrelated memory and return wrong values without a word (a (3,) tensor summed
-with a (5,) one); instead every rank raises, naming what each rank was doing.
-The segment itself comes from ``_segments``: its pages reserved when it is made
-(a full /dev/shm then cannot kill a run with SIGBUS), and unlinked as soon as
-every rank has mapped it.
-
-It relies on x86-64's store ordering (a rank's data stores are visible before
-its counter store), so it is enabled only there; elsewhere, across network
-namespaces (separate "nodes") and when /dev/shm lacks room, gloo is used.
-``PARDIST_SHM=0`` turns it off; ``PARDIST_SHM=staging`` keeps gradients in private
-buffers and stages them through a bucket-sized region (the fallback when
-/dev/shm is small).
+Ranks synchronise on a sequence counter each, wait on a futex, and post the signature
+of their collective: a mismatch raises on every rank (docs/design.md, "The
+shared-memory transport"). It relies on x86-64's store ordering, so it is enabled only
+there; elsewhere, across network namespaces and when /dev/shm lacks room, gloo is used.
+``PARDIST_SHM=0`` turns it off; ``PARDIST_SHM=staging`` stages gradients through a
+bucket-sized region (the fallback when /dev/shm is small).
 """
 
 from __future__ import annotations
@@ -45,51 +30,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, _process
+from pardist.runtime import _faults
 from pardist.transport import _segments
 from pardist.transport._futex import futex_wait, futex_wake
 
-__all__ = ["SharedMemoryGroup", "for_collectives", "for_small_sums"]
+__all__ = ["SharedMemoryGroup"]
 
 _FLAG_BYTES = 64  # per rank, one cache line: counter, 2 exchange slots, 2 signature slots
 _NOTE_BYTES = 256  # per rank: what it was doing, written only when the ranks disagree
 _SEQ, _EXCHANGE, _SIGNATURE = 0, 1, 3  # int64 slots in a rank's line
 ALIGN = 64
 _SPIN_S = 20e-6
-COLLECTIVE_BYTES = 4 * 2**20  # region per rank for psum / pmax / all_gather
-_collective_groups: dict[str, SharedMemoryGroup | None] = {}  # by group name
-
-
-def for_collectives(group: dist.ProcessGroup) -> SharedMemoryGroup | None:
-    """The shared-memory group that collectives over ``group`` use (None: use gloo).
-
-    Made on first use, which every rank of the group reaches at the same point.
-    """
-    name = group.group_name
-    if name not in _collective_groups:
-        _collective_groups[name] = SharedMemoryGroup.create(group, COLLECTIVE_BYTES)
-    return _collective_groups[name]
-
-
-_process.on_shutdown(_collective_groups.clear)  # names are reused by the next init
-
-SMALL_BYTES = 64 * 2**10  # largest tensor for small_all_reduce (batch-norm statistics)
-_small_groups: dict[str, SharedMemoryGroup | None] = {}  # by group name
-
-
-def for_small_sums(group: dist.ProcessGroup) -> SharedMemoryGroup | None:
-    """The shared-memory group for :meth:`SharedMemoryGroup.small_all_reduce` over ``group``.
-
-    A group of its own: its regions are written by nothing else, which is what
-    lets a small all-reduce return without waiting for the others to read.
-    """
-    name = group.group_name
-    if name not in _small_groups:
-        _small_groups[name] = SharedMemoryGroup.create(group, 2 * SMALL_BYTES)
-    return _small_groups[name]
-
-
-_process.on_shutdown(_small_groups.clear)
 
 
 def _host_identity() -> tuple[str, int]:
@@ -429,7 +380,7 @@ class SharedMemoryGroup:
         Calls alternate between two halves of the regions: a rank that hurries on
         writes the other half, and it reaches this half again only after the next
         call's barrier, which waits until everyone has read it. Only this method
-        may use the group (see :func:`for_small_sums`); ``t`` fits half a region.
+        may use the group (see ``_shmgroups.for_small_sums``); ``t`` fits half a region.
         """
         flat = t.reshape(-1)
         half = self.region_bytes // 2

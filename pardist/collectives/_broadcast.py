@@ -1,0 +1,81 @@
+"""``broadcast``: every rank gets the source rank's values (its initial parameters).
+
+Not differentiable. The ranks first agree on the tree's shapes and dtypes, so that a
+broadcast into a tensor of another size is an error naming the leaf, instead of
+filling part of it silently (or aborting inside gloo).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pardist.collectives import _vma
+from pardist.collectives._collectives import _map
+from pardist.runtime import _faults, _mesh, _tree
+
+__all__ = ["broadcast"]
+
+
+def broadcast(tree: Any, axis: str | tuple[str, ...] = "gpu", *, src: int = 0) -> Any:
+    """Copies of ``tree`` equal to the values on index ``src`` of ``axis`` (not differentiable).
+
+    The usual use: make every replica start from rank 0's initial parameters.
+
+    Example:
+        >>> import pardist, torch
+        >>> _ = pardist.init()
+        >>> pardist.broadcast({'w': torch.ones(2)})
+        {'w': tensor([1., 1.])}
+        >>> pardist.shutdown()
+    """
+    mesh = _mesh.current_mesh("broadcast")
+    names = mesh.axes(axis, "broadcast")
+    if mesh.size(axis, "broadcast") == 1:
+        return _map(tree, "pardist.broadcast", lambda x: x.detach().clone())
+    group = mesh.group(axis, "broadcast")
+    source = dist.get_global_rank(group, src)
+    _agree(tree, group, src, names)
+    state = _vma.current()
+
+    def send(x: torch.Tensor) -> torch.Tensor:
+        v = state.get(x) if state is not None else None
+        with _vma.paused():
+            y = x.detach().clone(memory_format=torch.contiguous_format)
+            with _faults.collective_errors("pardist.broadcast", group):
+                dist.broadcast(y, src=source, group=group)
+        return state.set(y, v - frozenset(names)) if state is not None else y
+
+    return _map(tree, "pardist.broadcast", send)
+
+
+def _agree(tree: Any, group, src: int, names: tuple) -> None:
+    """Every rank's tree must have the source's shapes and dtypes: a broadcast into a
+    tensor of another size would fill part of it silently (or abort inside gloo)."""
+    mine = [
+        (path, tuple(x.shape), str(x.dtype))
+        for path, x in _tree.leaves_with_paths(tree, "tree")
+        if isinstance(x, torch.Tensor)
+    ]
+    everyone: list = [None] * dist.get_world_size(group)
+    with _faults.collective_errors("pardist.broadcast", group):
+        dist.all_gather_object(everyone, mine, group=group)
+    source = everyone[src]
+    for index, theirs in enumerate(everyone):
+        if theirs == source:
+            continue
+        if len(theirs) != len(source):
+            problem = f"{len(theirs)} tensors on index {index}, {len(source)} on the source"
+        else:
+            a, b = next((a, b) for a, b in zip(theirs, source) if a != b)
+            problem = (
+                f"{a[0]} is {a[1]} {a[2]} on index {index} but {b[1]} {b[2]} on the "
+                f"source (index {src})"
+            )
+        raise ValueError(
+            f"pardist.broadcast over {names}: every rank must pass a tree of the source's "
+            f"shapes and dtypes; {problem}. Build the receiving tree like the source's "
+            "(the same model and arguments on every rank)."
+        )
