@@ -165,11 +165,27 @@ def _bad(groups: int, rows: int):
     return None
 
 
+def _unequal():
+    apply, params, buffers = pardist.functional(nn.Linear(4, 2))
+
+    @pardist.data_parallel(deterministic=2)
+    def step(p, batch):
+        return pardist.grad(lambda p, x: apply(p, buffers, x)[0].sum())(p, batch)
+
+    try:
+        step(params, torch.randn(4 if pardist.rank() == 0 else 2, 4))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def test_bad_groups_and_rows_name_the_numbers(run):
     message = run(3, _bad, 8, 4)[0]
     assert "deterministic=8" in message and "3 ranks" in message and "deterministic=24" in message
     message = run(2, _bad, 4, 3)[0]
     assert "6 at 2 ranks" in message and "multiple of 4" in message
+    message = run(2, _unequal)[0]
+    assert "rank 0: 4, rank 1: 2" in message and "split_batches=True" in message
     with pytest.raises(ValueError, match="row groups"):
         pardist.data_parallel(lambda p, b: p, deterministic=0)
     with pytest.raises(ValueError, match="compile"):
