@@ -119,12 +119,19 @@ def _donated_reuse():
     try:
         step(w, torch.ones(2, 3))
     except ValueError as e:
-        return str(e)
+        msg = str(e)
+    # The step remembers a donated tensor only while it lives: a dead one's address,
+    # reused by a new tensor, must not send every later call down the slow check.
+    v = torch.ones(3)
+    for _ in range(50):
+        v = step(v, torch.ones(2, 3))
+    return msg, len(step._consumed)
 
 
 def test_donated_argument_reused_is_an_error(run):
-    for msg in run(2, _donated_reuse):
+    for msg, remembered in run(2, _donated_reuse):
         assert "args[0] was donated" in msg and "Pass the value that call returned" in msg
+        assert remembered <= 2  # w (alive, still consumed) and at most one in flight
 
 
 def _forgot_mean():

@@ -75,8 +75,9 @@ class Step:
         self.reducers: dict = {}
         self.calls = 0
         self._specs_cache: dict = {}
-        self._consumed: dict[int, weakref.ref] = {}  # donated leaves that are now invalid
-        self._prune_at = 256
+        # Donated leaves that are now invalid, by id; an entry goes when its tensor dies
+        # (else a new tensor at a dead one's address would send every call the slow way).
+        self._consumed: dict[int, weakref.ref] = {}
         self.compiled = _step.compiled_step(compile, self.where)
 
     @property
@@ -195,7 +196,8 @@ class Step:
             for i in donated_idx if gone else ():
                 x = leaves[i]
                 if id(x) in gone and isinstance(x, torch.Tensor):
-                    self._consumed[id(x)] = weakref.ref(x)
+                    forget = functools.partial(_forget, self._consumed, id(x))
+                    self._consumed[id(x)] = weakref.ref(x, forget)
         return out
 
     def _run_eager(self, args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter):
@@ -249,9 +251,6 @@ class Step:
 
         # The common case in C: no leaf's id is among the consumed ones.
         if self._consumed.keys().isdisjoint(map(id, leaves)) or not any(map(consumed, leaves)):
-            if len(self._consumed) > self._prune_at:  # forget the dead, now and then
-                self._consumed = {k: r for k, r in self._consumed.items() if r() is not None}
-                self._prune_at = 2 * len(self._consumed) + 256
             return
         for path, leaf in _tree.leaves_with_paths(args, "args"):
             if consumed(leaf):
@@ -331,6 +330,12 @@ class Step:
                         axes,
                     )
         return None
+
+
+def _forget(consumed: dict, key: int, ref: weakref.ref) -> None:
+    """A consumed tensor died: its id may now name a new tensor."""
+    if consumed.get(key) is ref:
+        del consumed[key]
 
 
 def _count(specs: Any) -> str:
