@@ -1,12 +1,13 @@
 """The fast path of ``pardist.grad`` inside a step: gradients handed to buckets during the backward.
 
-Each replicated input's gradient goes to a :class:`~pardist.transport._reducer.Reducer`
-(or, for a sharded optimizer, a reduce-scatter) the moment autograd produces it.
-With ``accumulate=k`` the k micro-batches add into the same buckets, and only the
-last one's backward launches the reduction: one reduction per step. The buckets
-also carry, at no extra collective, the table of every rank's loss and row count
-(``_perrank``): the global loss in full precision, the row-weighted mean, and
-the report of a non-finite loss.
+Each replicated input's gradient goes to the reduction ``_reduction.choose`` picks
+for the call (buckets all-reduced like DDP's, a reduce-scatter for a sharded
+optimizer, nothing on one rank) the moment autograd produces it. With
+``accumulate=k`` the k micro-batches add into the same buckets, and only the last
+one's backward launches the reduction: one reduction per step. The buckets also
+carry, at no extra collective, the table of every rank's loss and row count
+(``_perrank``): the global loss in full precision, the row-weighted mean, and the
+report of a non-finite loss.
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _vma
-from pardist.gradients import _microbatch, _perrank
+from pardist.gradients import _microbatch, _perrank, _reduction
+from pardist.gradients._reduction import Reduction
 from pardist.runtime import _tree
 from pardist.runtime._compat import functorch
 from pardist.runtime._context import StepContext
 from pardist.runtime._layout import laid_out_like
 from pardist.sharding import _fsdp
 from pardist.transport._reducer import Reducer
-from pardist.transport._scatter import ScatterReducer, signature
+from pardist.transport._scatter import signature
 
 __all__ = ["Call", "compute", "split_value"]
 
@@ -87,11 +90,11 @@ class Call:
         if reduced is not None and all(reduced):
             return [None] * len(leaves)
         # The parameter's strides, as .grad has them (a dense layout: nothing to do)
-        dense = (
-            k == 1
-            and all(map(_contiguous, leaves))
-            and all(g is None or g.is_contiguous() for g in local)
-        )
+        dense = k == 1 and all(map(_contiguous, leaves))
+        if dense and reduced is None and all(map(_given, local)):
+            if all(map(_contiguous, local)):  # one pass, every gradient there: as it is
+                return list(local)
+        dense = dense and all(g is None or g.is_contiguous() for g in local)
         out = []
         for i, t in enumerate(leaves):
             if reduced is not None and reduced[i]:
@@ -119,6 +122,7 @@ class Call:
 
 
 _contiguous = torch.Tensor.is_contiguous
+_given = functools.partial(operator.is_not, None)
 
 
 def split_value(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
@@ -142,54 +146,6 @@ def split_value(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]
     return value, aux
 
 
-def _scatter_reducer(ctx: StepContext, like: list[torch.Tensor]) -> ScatterReducer:
-    key = ("scatter", signature(like), tuple(t.device for t in like), ctx.axis, ctx.bucket_bytes)
-    if key not in ctx.reducers:
-        ctx.reducers[key] = ScatterReducer(
-            like,
-            ctx.mesh.group(ctx.axis),
-            ctx.size,
-            ctx.mesh.index(ctx.axis),
-            bucket_bytes=ctx.bucket_bytes,
-            first_bucket_bytes=ctx.first_bucket_bytes,
-        )
-    return ctx.reducers[key]
-
-
-def _as_shard(local: torch.Tensor, like: torch.Tensor, ctx: StepContext) -> DTensor:
-    """This rank's flat shard of a mean gradient, as a DTensor that knows its layout."""
-    return DTensor.from_local(
-        local,
-        ctx.mesh.submesh(ctx.axis),
-        [Shard(0)],
-        shape=(like.numel(),),
-        stride=(1,),
-        run_check=False,
-    )
-
-
-def _reducer(ctx: StepContext, like: list[torch.Tensor]) -> Reducer:
-    key = (
-        tuple((t.shape, t.stride(), t.dtype, t.device) for t in like),
-        ctx.axis,
-        ctx.compression,
-        ctx.overlap,
-        ctx.bucket_bytes,
-        ctx.first_bucket_bytes,
-    )
-    if key not in ctx.reducers:
-        ctx.reducers[key] = Reducer(
-            like,
-            ctx.mesh.groups(ctx.axis),
-            ctx.size,
-            comm_dtype=ctx.compression,
-            overlap=ctx.overlap,
-            bucket_bytes=ctx.bucket_bytes,
-            first_bucket_bytes=ctx.first_bucket_bytes,
-        )
-    return ctx.reducers[key]
-
-
 class _HandOver:
     """What gradient hooks call: the reducer (which may be made after the forward)."""
 
@@ -201,17 +157,13 @@ class _HandOver:
         self.ctx, self.rep, self.divisor, self.empty = ctx, rep, divisor, empty
         self.table = _perrank.table(ctx.size, ctx.mesh.index(ctx.axis) if ctx.size > 1 else 0)
 
-    def use(self, scatter: bool, reduce: bool, pending: list, accumulate: int) -> None:
+    def use(self, reduction: Reduction, pending: list, accumulate: int) -> None:
         rep = self.rep
-        if scatter:  # a sharded optimizer takes these: reduce-scatter (ZeRO-2)
-            self.reducer, self.carry, self.base = _scatter_reducer(self.ctx, rep), 0, 0
-        else:
-            self.carry = 1 if rep else 0
-            table = [torch.empty(self.table.numel, dtype=rep[0].dtype, device=rep[0].device)]
-            table = table if rep else []
-            like = table + list(pending) + rep
-            self.reducer = _reducer(self.ctx, like) if reduce else Reducer(like, [], 1)
-            self.base = self.carry + len(pending)
+        # Slot 0 carries the per-rank table, except to a reduce-scatter (ZeRO-2).
+        self.carry = 0 if reduction.scatter else 1
+        table = [torch.empty(self.table.numel, dtype=rep[0].dtype, device=rep[0].device)]
+        table = [] if reduction.scatter else table
+        self.reducer, self.base = reduction.reducer(self.ctx, rep, pending, table)
         # A row-weighted mean weighs the backward's seed instead (see compute): every
         # rank's contributions are then summed over the ranks' mean like any others.
         self.reducer.begin(accumulate, None)
@@ -249,21 +201,21 @@ def _correction(ctx: StepContext, hand: _HandOver, counts: list[int] | None) -> 
 def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
     """(global value, aux, flat gradients) of one call inside a step."""
     k, replicated = call.accumulate, call.replicated
-    rep = [t for t, r in zip(leaves, replicated) if r]
-    rep_index = {i: j for j, i in enumerate(i for i, r in enumerate(replicated) if r)}
-    reduce = ctx.size > 1 and bool(rep)
-    scatter = reduce and bool(ctx.scatter) and signature(rep) in ctx.scatter
+    rep = list(itertools.compress(leaves, replicated))
+    reduction = _reduction.choose(ctx, rep, k)
+    # Buckets take the replicated leaves' gradients: their slots, by leaf index.
+    positions = itertools.compress(itertools.count(), replicated)
+    rep_index = dict(zip(positions, itertools.count())) if reduction.buckets else {}
     divisor = None
-    if call.mean == "rows" and reduce:
-        divisor = _rows_divisor(ctx, rep, call.rows, exact=scatter)
+    if call.mean == "rows" and ctx.size > 1 and rep:
+        divisor = _rows_divisor(ctx, rep, call.rows, exact=reduction.scatter)
         weight = ctx.size / divisor  # 0.0 for a rank without rows
     # One pass with an all-reduce: the reducer is made after the forward, so that the
     # statistics the forward left to average (batch norm with sync_bn=False) ride in
     # the gradient buckets instead of costing a collective of their own.
-    late = reduce and not scatter and k == 1
     hand, pending = _HandOver(ctx, rep, divisor, call.rows == 0), []
-    if rep and (reduce or k > 1) and not late:  # nothing replicated: no buckets
-        hand.use(scatter, reduce, [], k)
+    if reduction.buckets and not reduction.late:
+        hand.use(reduction, [], k)
     local: list = [None] * len(leaves)
     parts: list = [[None] * k for _ in leaves]
     values, auxes = [], []
@@ -271,7 +223,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         if hand.reducer is not None and j == k - 1:
             hand.reducer.last_micro_batch()
         diff = [t for n in call.nums for t in mleaves[n]]
-        if any(map(isinstance, diff, itertools.repeat(DTensor))):  # FSDP shards: only apply
+        if _tree.any_instance(diff, DTensor):  # FSDP shards: only apply
             inputs = _fsdp.grad_inputs(diff, margs, call.nums, call.where)
         else:
             inputs = [t.detach().requires_grad_() for t in diff]
@@ -280,10 +232,10 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         with torch.enable_grad():
             out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
         value, aux = split_value(out, call.has_aux, call.where)
-        if late:
+        if reduction.late:
             pending = ctx.pending_means[mark:]
             del ctx.pending_means[mark:]
-            hand.use(False, True, pending, 1)
+            hand.use(reduction, pending, 1)
         values.append(value.detach())
         if hand.carry and j == k - 1:  # before the last backward, which launches the buckets
             mine = values[0] if k == 1 else torch.stack(values).mean()
@@ -304,6 +256,9 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
                 # that cross-rank backwards (sync batch norm) see one weighted objective.
                 seed = (torch.ones_like(value) if seed is None else seed) * weight
             got = torch.autograd.grad(value, inputs, seed, allow_unused=True)
+            if hand.reducer is None and divisor is None and k == 1:
+                local = list(got)  # one pass, nothing to bucket or weigh: as autograd gave
+                got = ()
             for i, g in enumerate(got):
                 if g is None:
                     continue
@@ -317,7 +272,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
                     parts[i][j] = g
                 else:
                     local[i] = g if local[i] is None else local[i] + g
-        aux = _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        aux = _detached(aux)
         call.took(j, aux)
         if call.carry is not None and j < k - 1:
             # Superseded by the next micro-batch's: nothing to average at the end.
@@ -332,13 +287,24 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         _vma.mean_over_data(value, values[0])  # the loss averaged over the data axes
     factor = _correction(ctx, hand, counts)
     grads = call.combine(local, parts, leaves, replicated if hand.reducer is not None else None)
-    for i, t in enumerate(leaves):
-        if hand.reducer is not None and replicated[i]:
+    for i, t in enumerate(leaves) if hand.reducer is not None else ():
+        if replicated[i]:
             g = reduced[hand.base + rep_index[i]]
             if factor != 1.0:
                 g = g * factor  # out of place: shared-memory buckets are every rank's
-            grads[i] = _as_shard(g, t, ctx) if scatter else g
+            grads[i] = _reduction.Scatter.as_shard(g, t, ctx) if reduction.scatter else g
     return value, call.aux(auxes), _vma.typed_like(grads, leaves)
+
+
+def _detached(aux: Any) -> Any:
+    """``aux`` cut from the graph (as is where nothing in it requires grad: buffers)."""
+    leaves = _tree.tree_leaves(aux)
+    if all(map(torch.is_tensor, leaves)) and not any(map(_requires_grad, leaves)):
+        return aux
+    return _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _value(call: Call, ctx: StepContext, hand: _HandOver, reduced: list, values: list):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ from pardist.runtime._layout import laid_out_like
 __all__ = ["grad", "value_and_grad"]
 
 _MEANS = ("ranks", "rows")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class _MeanGrad(torch.autograd.Function):
@@ -117,7 +119,7 @@ def _in_transform(leaves: list[torch.Tensor]) -> bool:
     """Inside another torch.func transform, or under an outer autograd graph."""
     if functorch.peek_interpreter_stack() is not None:
         return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    return torch.is_grad_enabled() and any(map(_requires_grad, leaves))
 
 
 def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kwargs, where: str):
@@ -162,12 +164,12 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
             and not isinstance(t, DTensor)
             for t in leaves
         ]
-    if weighted and any(isinstance(t, DTensor) for t in leaves):
+    if weighted and _tree.any_instance(leaves, DTensor):
         raise ValueError(
             f"{where}: mean='rows' is not supported with pardist.fsdp parameters yet (their "
             "gradients are reduce-scattered as the mean over ranks); use mean='ranks'."
         )
-    if any(s and r for s, r in zip(split, replicated)):
+    if any(itertools.compress(split, replicated)):  # split and replicated
         raise ValueError(
             f"{where}: batch_argnums names a differentiated input that is replicated over "
             "the step's axis; only this rank's shard of the batch can be split."

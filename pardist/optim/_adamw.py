@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -24,6 +25,8 @@ from pardist.runtime import _tree
 from pardist.runtime._compat import fused_adam_, fused_adamw_
 
 __all__ = ["AdamWState", "adam", "adamw"]
+
+_device, _dtype = attrgetter("device"), attrgetter("dtype")
 
 
 class AdamWState(NamedTuple):
@@ -123,10 +126,16 @@ def adamw(
 
 def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:
     """torch's fused kernel per (device, dtype), reading one step tensor per group."""
+    kernel = fused_adamw_ if decoupled else fused_adam_
+    kinds = set(zip(map(_device, p), map(_dtype, p)))
+    if len(kinds) == 1:  # the common case: one call over every tensor
+        device = next(iter(kinds))[0]
+        steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(p)
+        kernel(p, g, m, v, vmax, steps, **options)
+        return
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, t in enumerate(p):
         groups[(t.device, t.dtype)].append(i)
-    kernel = fused_adamw_ if decoupled else fused_adam_
     for (device, _), index in groups.items():
         pick = lambda ts, index=index: [ts[i] for i in index] if ts else []  # noqa: E731
         steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(index)

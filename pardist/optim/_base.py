@@ -10,6 +10,7 @@ checkpoint, shard and travel through ``data_parallel`` like any other tree.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -114,6 +115,7 @@ def schedule(value: float | Callable[[int], float]) -> float | Callable[[int], f
 
 _shape = operator.attrgetter("shape")
 _device = operator.attrgetter("device")
+_device_type = operator.attrgetter("type")
 _contiguous = torch.Tensor.is_contiguous
 _given = functools.partial(operator.is_not, None)
 
@@ -131,16 +133,16 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
             f"{where}: grads and params have different structures ({len(g_leaves)} vs "
             f"{len(p_leaves)} leaves). Pass the gradients of exactly these params."
         )
-    if not all(map(torch.is_tensor, p_leaves)):
+    if not all(map(isinstance, p_leaves, itertools.repeat(torch.Tensor))):
         _tree.check_tensor_leaves(params, where=where, name="params")  # names the leaf
     if torch.compiler.is_compiling():  # (dynamo does not trace map over attrgetter)
         same = all(
             isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(g_leaves, p_leaves)
         )
-    else:  # map: no Python per tensor
-        same = all(map(torch.is_tensor, g_leaves)) and list(map(_shape, g_leaves)) == list(
-            map(_shape, p_leaves)
-        )
+    else:  # map: no Python per tensor (torch.is_tensor is a Python function: isinstance)
+        same = all(map(isinstance, g_leaves, itertools.repeat(torch.Tensor))) and list(
+            map(_shape, g_leaves)
+        ) == list(map(_shape, p_leaves))
     if same:  # the common case, without building key paths
         if not torch.compiler.is_compiling() and all(map(_contiguous, g_leaves + p_leaves)):
             return g_leaves, p_leaves, treedef
@@ -179,14 +181,13 @@ def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list |
     """
     if fused is False or torch.compiler.is_compiling():
         return False
-    supported = set(fused_kernel_devices())
     if not all(map(torch.is_floating_point, tensors)):
         return False
-    if not all(d.type in supported for d in set(map(_device, tensors))):
+    supported = set(fused_kernel_devices())  # (per call: a backend may be renamed)
+    if not supported.issuperset(map(_device_type, set(map(_device, tensors)))):
         return False
-    if all(map(_contiguous, tensors)) and all(
-        all(map(_contiguous, filter(_given, ts))) for ts in alongside if ts
-    ):
+    given = [t for ts in alongside if ts for t in ts]
+    if all(map(_contiguous, tensors)) and all(map(_contiguous, filter(_given, given))):
         return True  # the common case, cheaply
     return all(is_dense(t) for t in tensors) and all(
         t is None or same_layout(t, p) for ts in alongside if ts for t, p in zip(ts, tensors)
@@ -204,7 +205,7 @@ def on_shards(update_fn: Callable, where: str) -> Callable:
 
     def update(grads, state, params):
         p_leaves = _tree.tree_leaves(params)
-        if not any(isinstance(p, DTensor) for p in p_leaves):
+        if not _tree.any_instance(p_leaves, DTensor):
             return update_fn(grads, state, params)
         aligned(grads, params, where)  # same structure, same (global) shapes
         for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), p_leaves):

@@ -95,7 +95,7 @@ assert_async = torch._assert_async
 TorchCompileInductorWrapper = torch._TorchCompileInductorWrapper
 
 
-def fused_kernel_devices() -> list[str]:
+def fused_kernel_devices() -> tuple[str, ...]:
     """Device types with fused optimizer kernels.
 
     torch.utils._foreach_utils._get_fused_kernels_supported_devices: the list
@@ -103,7 +103,7 @@ def fused_kernel_devices() -> list[str]:
     """
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    return _get_fused_kernels_supported_devices()
+    return tuple(_get_fused_kernels_supported_devices())
 
 
 def matches_machine_hostname(host: str) -> bool:

@@ -18,6 +18,7 @@ import torch
 from pardist.runtime._mesh import Mesh
 
 __all__ = [
+    "Ids",
     "StepContext",
     "compiled_plan",
     "current_step",
@@ -50,7 +51,7 @@ class StepContext:
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
-    inputs: set[int] | list[torch.Tensor] = dataclasses.field(default_factory=set)  # every leaf
+    inputs: Any = dataclasses.field(default_factory=set)  # every leaf: Ids, or traced: a list
     # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
     # pardist.grad does not report them.
     loss_scaled: bool = False
@@ -59,6 +60,20 @@ class StepContext:
     plan: Any = None
     # data_parallel(step, deterministic=G): the number of row groups (0: off).
     deterministic: int = 0
+
+
+class Ids:
+    """The ids of a step's input leaves, as a set made on first use (most steps never ask)."""
+
+    __slots__ = ("_ids", "_set")
+
+    def __init__(self, ids: list[int]):
+        self._ids, self._set = ids, None
+
+    def __contains__(self, i: object) -> bool:
+        if self._set is None:
+            self._set = set(self._ids)
+        return i in self._set
 
 
 _active: list[StepContext] = []

@@ -6,7 +6,7 @@ nesting of dict / list / tuple / NamedTuple with leaves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +15,7 @@ from pardist.runtime import _flat
 from pardist.runtime._compat import pytree, pytree_children
 
 __all__ = [
+    "any_instance",
     "broadcast_prefix",
     "check_tensor_leaves",
     "keystr",
@@ -31,6 +32,14 @@ tree_unflatten = _flat.tree_unflatten
 tree_leaves = _flat.tree_leaves
 tree_map = _flat.tree_map
 keystr = pytree.keystr
+
+
+def any_instance(xs: Iterable, kind: type) -> bool:
+    """Whether some element of ``xs`` is a ``kind``: by the set of their types, made in C
+    (a failing ``isinstance`` walks the type's bases: 3-4x the cost per leaf)."""
+    if torch.compiler.is_compiling():  # what dynamo traces
+        return any(isinstance(x, kind) for x in xs)
+    return any(issubclass(t, kind) for t in set(map(type, xs)))
 
 
 def leaves_with_paths(tree: Any, name: str = "") -> list[tuple[str, Any]]:

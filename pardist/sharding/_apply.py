@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _vma
+from pardist.runtime import _tree
 from pardist.runtime._compat import functorch, pytree
 from pardist.runtime._context import current_step
 from pardist.sharding import _fsdp
@@ -40,7 +41,7 @@ def _unwrapped(x):
 
 
 def has_shards(params: dict) -> bool:
-    if any(isinstance(v, DTensor) for v in params.values()):
+    if _tree.any_instance(params.values(), DTensor):
         return True
     if torch.compiler.is_compiling() or functorch.peek_interpreter_stack() is None:
         return False  # (a compiled step holds no pardist.fsdp shards: it runs those eagerly)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ from pardist.collectives import _collectives, _vma
 from pardist.compile import _step
 from pardist.optim._sharded import ShardedState
 from pardist.runtime import _mesh, _rng, _tree
-from pardist.runtime._context import StepContext, debug_enabled, entered
+from pardist.runtime._context import Ids, StepContext, debug_enabled, entered
 from pardist.step import _devices, _replication, _specs
 from pardist.step._specs import P
 from pardist.step._tracker import Tracker
@@ -159,8 +160,10 @@ class Step:
         counts = [child.num_leaves for child in children]
         starts = [sum(counts[:i]) for i in range(len(counts))]
         donated = [j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])]
-        self._specs_cache[key] = treedef, (flat, sharded, donated, scatter)
-        return flat, sharded, donated, scatter
+        # The donated leaves as slices of the flat leaves (one per donated argument).
+        spans = [slice(starts[i], starts[i] + counts[i]) for i in self.donate_argnums]
+        self._specs_cache[key] = treedef, (flat, sharded, donated, scatter, spans)
+        return flat, sharded, donated, scatter, spans
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # torch.compile(data_parallel(step))
@@ -169,22 +172,25 @@ class Step:
         mesh = self.mesh or _mesh.current_mesh(short)
         axes = self.data_axes(mesh)
         leaves, treedef = _tree.tree_flatten(args)
-        specs, sharded, donated_idx, scatter = self._leaf_specs(args, treedef, mesh, axes)
+        specs, sharded, donated_idx, scatter, spans = self._leaf_specs(args, treedef, mesh, axes)
+        ids = list(map(id, leaves))  # once: the sets below are of ids
         if self._consumed:
-            self._check_not_consumed(leaves, args)
+            self._check_not_consumed(leaves, ids, args)
         check = self.calls == 0 or debug_enabled()
         if check:
             _devices.check(args, self.where)  # a batch on another device than the params
             self._check_inputs(args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
-        donated = set(map(id, map(leaves.__getitem__, donated_idx)))  # (ids of non-tensors: unused)
+        donated = set(
+            itertools.chain.from_iterable(map(ids.__getitem__, spans))
+        )  # (non-tensors': unused)
         out, typed_problem = _step.EAGER, None
         with _rng.stream(_rng.rank_index(mesh, axes)):  # dropout: per rank and step
             if self.compiled is not None:
                 out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
             if out is _step.EAGER:
                 out, typed_problem = self._run_eager(
-                    args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter
+                    args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter
                 )
         self.calls += 1
         if check:
@@ -200,20 +206,18 @@ class Step:
                     self._consumed[id(x)] = weakref.ref(x, forget)
         return out
 
-    def _run_eager(self, args, kwargs, mesh, axes, leaves, specs, sharded, donated, scatter):
+    def _run_eager(self, args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter):
         """(the step's output, the static check's problem or None), run eagerly."""
+        varying = set(map(ids.__getitem__, sharded))
+        if _tree.any_instance(leaves, DTensor):  # pardist.fsdp shards vary over their axis
+            varying |= {id(x) for x in leaves if isinstance(x, DTensor)}
         ctx = StepContext(
             name=self.where,
             mesh=mesh,
             axis=axes,
             size=mesh.size(axes) if axes else 1,
-            varying=set(map(id, map(leaves.__getitem__, sharded)))
-            | (
-                {id(x) for x in leaves if isinstance(x, DTensor)}
-                if any(issubclass(t, DTensor) for t in set(map(type, leaves)))
-                else set()
-            ),
-            inputs=set(map(id, leaves)),
+            varying=varying,
+            inputs=Ids(ids),
             scatter=scatter,
             donated=donated,
             reducers=self.reducers,
@@ -226,15 +230,7 @@ class Step:
         live = {a for a, n in mesh.shape.items() if n > 1}
         state = _vma.Tracking(mesh, axes) if live - set(axes) else None
         typed_problem = None
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(entered(ctx))
-            stack.enter_context(_vma.tracking(state))
-            if state is not None:
-                for leaf, spec in zip(leaves, specs):
-                    if isinstance(leaf, torch.Tensor):
-                        own = _specs.specs(leaf).axes if isinstance(leaf, DTensor) else spec.axes
-                        state.set(leaf, frozenset(own))
-                stack.enter_context(Tracker(state, self.where))
+        with entered(ctx), _vma.tracking(state), self._tracker(state, leaves, specs):
             out = self.fn(*args, **kwargs)
             if ctx.pending_means:  # statistics no gradient computation carried
                 means = _collectives.pmean(ctx.pending_means, axes)
@@ -245,12 +241,22 @@ class Step:
                 typed_problem = self._typed_outputs(out, state, axes)
         return out, typed_problem
 
-    def _check_not_consumed(self, leaves: list, args: tuple) -> None:
+    def _tracker(self, state: _vma.Tracking | None, leaves: list, specs: list):
+        """What tracks varying axes through the step (nothing where none can differ)."""
+        if state is None:
+            return contextlib.nullcontext()
+        for leaf, spec in zip(leaves, specs):
+            if isinstance(leaf, torch.Tensor):
+                own = _specs.specs(leaf).axes if isinstance(leaf, DTensor) else spec.axes
+                state.set(leaf, frozenset(own))
+        return Tracker(state, self.where)
+
+    def _check_not_consumed(self, leaves: list, ids: list, args: tuple) -> None:
         def consumed(leaf: Any) -> bool:
             return (ref := self._consumed.get(id(leaf))) is not None and ref() is leaf
 
         # The common case in C: no leaf's id is among the consumed ones.
-        if self._consumed.keys().isdisjoint(map(id, leaves)) or not any(map(consumed, leaves)):
+        if self._consumed.keys().isdisjoint(ids) or not any(map(consumed, leaves)):
             return
         for path, leaf in _tree.leaves_with_paths(args, "args"):
             if consumed(leaf):
