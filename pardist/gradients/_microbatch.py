@@ -78,11 +78,10 @@ def batch_masks(
     for leaves, _ in flat:
         if isinstance(ctx.varying, list):  # a traced step: by identity
             flags = [holds(ctx.varying, x) and _is_batchable(x) for x in leaves]
-        else:
-            flags = [
-                v and _is_batchable(x)
-                for v, x in zip(map(ctx.varying.__contains__, map(id, leaves)), leaves)
-            ]
+        else:  # in C for the common case: no leaf of the argument is the batch
+            flags = list(map(ctx.varying.__contains__, map(id, leaves)))
+            if any(flags):
+                flags = [v and _is_batchable(x) for v, x in zip(flags, leaves)]
         masks.append(flags if any(flags) else None)
     if strict:
         _check_placed(flat, nums, masks, ctx, where)

@@ -26,7 +26,7 @@ from pardist.runtime._compat import fused_adam_, fused_adamw_
 
 __all__ = ["AdamWState", "adam", "adamw"]
 
-_device, _dtype = attrgetter("device"), attrgetter("dtype")
+_device, _dtype, _is_cpu = attrgetter("device"), attrgetter("dtype"), attrgetter("is_cpu")
 
 
 class AdamWState(NamedTuple):
@@ -127,10 +127,9 @@ def adamw(
 def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:
     """torch's fused kernel per (device, dtype), reading one step tensor per group."""
     kernel = fused_adamw_ if decoupled else fused_adam_
-    kinds = set(zip(map(_device, p), map(_dtype, p)))
-    if len(kinds) == 1:  # the common case: one call over every tensor
-        device = next(iter(kinds))[0]
-        steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(p)
+    one_device = all(map(_is_cpu, p)) or len(set(map(_device, p))) == 1  # (CPU: no objects)
+    if p and one_device and len(set(map(_dtype, p))) == 1:  # the common case: one call
+        steps = [torch.full((), float(step), dtype=torch.float32, device=p[0].device)] * len(p)
         kernel(p, g, m, v, vmax, steps, **options)
         return
     groups: dict[tuple, list[int]] = defaultdict(list)

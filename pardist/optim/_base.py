@@ -116,6 +116,7 @@ def schedule(value: float | Callable[[int], float]) -> float | Callable[[int], f
 _shape = operator.attrgetter("shape")
 _device = operator.attrgetter("device")
 _device_type = operator.attrgetter("type")
+_is_cpu = operator.attrgetter("is_cpu")
 _contiguous = torch.Tensor.is_contiguous
 _given = functools.partial(operator.is_not, None)
 
@@ -160,7 +161,7 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
 def owned(params: list, *states: list) -> tuple[bool, list, list[list]]:
     """Tensors the update may write: the donated ones, else fresh copies (purity)."""
     flat_states = [s for s in states if s is not None]
-    if is_donated(params + [t for s in flat_states for t in s]):
+    if is_donated(list(itertools.chain(params, *flat_states))):
         return True, params, list(states)
     copy = lambda ts: None if ts is None else [t.clone() for t in ts]  # noqa: E731
     return False, copy(params), [copy(s) for s in states]
@@ -181,12 +182,13 @@ def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list |
     """
     if fused is False or torch.compiler.is_compiling():
         return False
-    if not all(map(torch.is_floating_point, tensors)):
+    if not all(map(torch.Tensor.is_floating_point, tensors)):  # (2x torch.is_floating_point)
         return False
     supported = set(fused_kernel_devices())  # (per call: a backend may be renamed)
-    if not supported.issuperset(map(_device_type, set(map(_device, tensors)))):
+    on_cpu = "cpu" in supported and all(map(_is_cpu, tensors))  # no device objects made
+    if not on_cpu and not supported.issuperset(map(_device_type, set(map(_device, tensors)))):
         return False
-    given = [t for ts in alongside if ts for t in ts]
+    given = itertools.chain.from_iterable(filter(None, alongside))
     if all(map(_contiguous, tensors)) and all(map(_contiguous, filter(_given, given))):
         return True  # the common case, cheaply
     return all(is_dense(t) for t in tensors) and all(
