@@ -11,6 +11,9 @@ Python costs. The same regime shows on a CPU with a model whose compute is negli
 process group, as:
 
     torch         the module, torch.optim.AdamW(fused=True), zero_grad / backward / step
+    floor         (world size 1) the least a functional step does in Python: parameters
+                  installed in the module, autograd.grad, the fused AdamW kernel; no
+                  checks, no purity. What pardist costs above it is its own
     ddp           the same inside DistributedDataParallel (world size 2+)
     pardist       the README's step: value_and_grad(has_aux) + optim.adamw, donated
     compiled      the same step with compile=True (with --compiled)
@@ -74,6 +77,9 @@ def variants(name: str, compiled: bool) -> dict:
 
     torch.manual_seed(0)
     out["torch"] = torch_step(make().to(device))
+    if pardist.world_size() == 1:
+        torch.manual_seed(0)
+        out["floor"] = floor_step(make().to(device), x, y)
     if pardist.world_size() > 1:
         torch.manual_seed(0)
         out["ddp"] = torch_step(nn.parallel.DistributedDataParallel(make().to(device)))
@@ -86,6 +92,31 @@ def variants(name: str, compiled: bool) -> dict:
         torch.manual_seed(0)
         out["pardist_local_bn"] = pardist_step(make(), x, y, compile=False, sync_bn=False)
     return out
+
+
+def floor_step(net: nn.Module, x, y):
+    """The least a step with parameters in and out does, in Python: tensors installed in
+    the module, ``autograd.grad`` on detached leaves, the fused AdamW kernel. No checks,
+    no purity (buffers are updated in place), no tree of state: one rank's floor."""
+    params = dict(net.named_parameters())
+    places = [(net.get_submodule(k.rpartition(".")[0]), k.rpartition(".")[2], k) for k in params]
+    params = {k: p.detach().clone() for k, p in params.items()}
+    state = [[torch.zeros_like(p) for p in params.values()] for _ in range(2)]
+    count = [0]
+
+    def step():
+        leaves = [p.detach().requires_grad_() for p in params.values()]
+        for (module, attr, _), leaf in zip(places, leaves):
+            module._parameters[attr] = leaf
+        grads = torch.autograd.grad(F.mse_loss(net(x), y), leaves)
+        count[0] += 1
+        steps = [torch.full((), float(count[0]))] * len(leaves)
+        p = list(params.values())
+        torch._fused_adamw_(p, list(grads), *state, [], steps, lr=1e-3, beta1=0.9,
+                            beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+                            maximize=False)  # fmt: skip
+
+    return step
 
 
 def pardist_step(net: nn.Module, x, y, compile: bool, sync_bn: bool = True):  # noqa: A002
@@ -122,19 +153,20 @@ def tensors(name: str) -> int:
 
 
 def table(rows: list[dict]) -> str:
-    order = ("torch", "ddp", "pardist", "pardist_local_bn", "compiled")
+    order = ("torch", "floor", "ddp", "pardist", "pardist_local_bn", "compiled")
     keys = [k for k in order if any(k in r for r in rows)]
     head = "| model | ranks | " + " | ".join(f"{k} ms" for k in keys)
-    head += " | pardist/torch | pardist/DDP | pardist - torch, us per tensor |"
-    lines = [head, "|" + "---|" * (len(keys) + 5)]
+    head += " | pardist/torch | pardist/floor | pardist/DDP | pardist - torch, us per tensor |"
+    lines = [head, "|" + "---|" * (len(keys) + 6)]
     for r in rows:
         cells = " | ".join(f"{r[k]:.2f}" if k in r else "-" for k in keys)
         like = r.get("pardist_local_bn", r["pardist"])  # DDP's semantics: per-rank BN
         ddp = f"{like / r['ddp']:.2f}" if "ddp" in r else "-"
+        floor = f"{r['pardist'] / r['floor']:.2f}" if "floor" in r else "-"
         per = 1e3 * (r["pardist"] - r["torch"]) / tensors(r["model"])
         lines.append(
-            f"| {r['model']} | {r['ranks']} | {cells} | {r['pardist'] / r['torch']:.2f} | {ddp} "
-            f"| {per:.1f} |"
+            f"| {r['model']} | {r['ranks']} | {cells} | {r['pardist'] / r['torch']:.2f} | {floor} "
+            f"| {ddp} | {per:.1f} |"
         )
     return "\n".join(lines)
 

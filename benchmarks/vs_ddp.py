@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import pardist
-from pardist.transport import _shm
+from pardist.transport import _shmgroups
 
 
 def mlp(width: int, hidden: int, depth: int) -> nn.Module:
@@ -113,7 +113,7 @@ def variants(name: str, world: int, overlap: str = "on"):
     out["allreduce"] = lambda: dist.all_reduce(flat)
     # pardist's transport, measured directly (an internal: there is no public
     # in-place all-reduce outside a step, and psum's copy would inflate the limit).
-    own = _shm.for_collectives(dist.group.WORLD) if device.type == "cpu" else None
+    own = _shmgroups.for_collectives(dist.group.WORLD) if device.type == "cpu" else None
     out["allreduce_own"] = (lambda: own.all_reduce(flat)) if own else out["allreduce"]
     half = HALF()
     hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
