@@ -9,8 +9,10 @@ hands those back, so the caller's tensors are never mutated.
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Callable
+from operator import getitem, setitem
 from typing import Any
 
 import torch
@@ -23,6 +25,8 @@ from pardist.runtime._context import current_step
 from pardist.sharding import _apply, _units
 
 __all__ = ["functional"]
+
+_each = collections.deque(maxlen=0).extend  # runs an iterator to its end
 
 
 def _meta_skeleton(module: nn.Module) -> nn.Module:
@@ -59,6 +63,14 @@ class _Slots:
                 owner, _, attr = name.rpartition(".")
                 table = getattr(skeleton.get_submodule(owner), kind)
                 self.places.append((table, attr, kind, first.setdefault(id(t), name), t))
+        self._columns()
+
+    def _columns(self) -> None:
+        """The places as columns, per kind, for installing with C loops (``map``)."""
+        self.columns = {
+            kind: [[place[i] for place in self.places if place[2] == kind] for i in (0, 1, 3, 4)]
+            for kind in ("_parameters", "_buffers")
+        }
 
     def frozen(self, names: set[str]) -> None:
         """Frozen parameters (``requires_grad=False``) are passed with the buffers."""
@@ -68,6 +80,7 @@ class _Slots:
             (table, attr, "_buffers" if name in names else kind, name, meta)
             for table, attr, kind, name, meta in self.places
         ]
+        self._columns()
 
     def _installed(self) -> list:
         return [table[attr] for table, attr, *_ in self.places]
@@ -87,19 +100,19 @@ class _Slots:
                     + (f"; unexpected {extra}" if extra else "")
                     + ". Pass the dicts that pardist.functional returned (or updates of them)."
                 )
-        sources = {"_parameters": params, "_buffers": buffers}
-        try:
-            for table, attr, kind, name, _ in self.places:
-                table[attr] = sources[kind][name]
+        (p_tables, p_attrs, p_names, p_metas) = self.columns["_parameters"]
+        (b_tables, b_attrs, b_names, b_metas) = self.columns["_buffers"]
+        try:  # (map over C functions: no Python per tensor)
+            _each(map(setitem, p_tables, p_attrs, map(params.__getitem__, p_names)))
+            _each(map(setitem, b_tables, b_attrs, map(buffers.__getitem__, b_names)))
             # The deterministic mode's row groups share the skeleton: each keeps its own.
             with _lockstep.switching(self._installed, self._install):
                 out = self.skeleton(*inputs, **kwargs)
-            for table, attr, kind, name, _ in self.places:
-                if kind == "_buffers":  # a module may have replaced a buffer: keep its new one
-                    buffers[name] = table[attr]
+            # A module may have replaced a buffer: keep its new one.
+            buffers.update(zip(b_names, map(getitem, b_tables, b_attrs)))
         finally:
-            for table, attr, _, _, meta in self.places:
-                table[attr] = meta
+            _each(map(setitem, p_tables, p_attrs, p_metas))
+            _each(map(setitem, b_tables, b_attrs, b_metas))
         return out
 
 
