@@ -123,6 +123,8 @@ class Call:
 
 _contiguous = torch.Tensor.is_contiguous
 _given = functools.partial(operator.is_not, None)
+_requires_grad = operator.attrgetter("requires_grad")
+_requires_grad_ = torch.Tensor.requires_grad_
 
 
 def split_value(out: Any, has_aux: bool, where: str) -> tuple[torch.Tensor, Any]:
@@ -226,7 +228,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         if _tree.any_instance(diff, DTensor):  # FSDP shards: only apply
             inputs = _fsdp.grad_inputs(diff, margs, call.nums, call.where)
         else:
-            inputs = [t.detach().requires_grad_() for t in diff]
+            inputs = list(map(_requires_grad_, map(torch.Tensor.detach, diff)))  # (in C)
         _vma.enter_grad(inputs, leaves, replicated)
         mark = len(ctx.pending_means)
         with torch.enable_grad():
@@ -302,9 +304,6 @@ def _detached(aux: Any) -> Any:
     if all(map(torch.is_tensor, leaves)) and not any(map(_requires_grad, leaves)):
         return aux
     return _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-
-
-_requires_grad = operator.attrgetter("requires_grad")
 
 
 def _value(call: Call, ctx: StepContext, hand: _HandOver, reduced: list, values: list):

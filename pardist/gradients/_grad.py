@@ -46,6 +46,7 @@ __all__ = ["grad", "value_and_grad"]
 
 _MEANS = ("ranks", "rows")
 _requires_grad = operator.attrgetter("requires_grad")
+_is_floating = torch.Tensor.is_floating_point
 
 
 class _MeanGrad(torch.autograd.Function):
@@ -138,7 +139,9 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
         if not all(map(isinstance, flat[n][0], itertools.repeat(torch.Tensor))):
             _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
     leaves = [leaf for n in nums for leaf in flat[n][0]]
-    if not all(map(torch.is_floating_point, leaves)) and not all(
+    # (the Tensor method costs half of torch.is_floating_point; dynamo traces the latter)
+    floating = torch.is_floating_point if torch.compiler.is_compiling() else _is_floating
+    if not all(map(floating, leaves)) and not all(
         t.is_floating_point() or t.is_complex() for t in leaves
     ):
         for n in nums:

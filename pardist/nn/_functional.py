@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 from collections.abc import Callable
-from operator import getitem, setitem
+from operator import setitem
 from typing import Any
 
 import torch
@@ -102,18 +102,28 @@ class _Slots:
                 )
         (p_tables, p_attrs, p_names, p_metas) = self.columns["_parameters"]
         (b_tables, b_attrs, b_names, b_metas) = self.columns["_buffers"]
-        try:  # (map over C functions: no Python per tensor)
-            _each(map(setitem, p_tables, p_attrs, map(params.__getitem__, p_names)))
-            _each(map(setitem, b_tables, b_attrs, map(buffers.__getitem__, b_names)))
+        try:
+            _put(p_tables, p_attrs, map(params.__getitem__, p_names))
+            _put(b_tables, b_attrs, map(buffers.__getitem__, b_names))
             # The deterministic mode's row groups share the skeleton: each keeps its own.
             with _lockstep.switching(self._installed, self._install):
                 out = self.skeleton(*inputs, **kwargs)
             # A module may have replaced a buffer: keep its new one.
-            buffers.update(zip(b_names, map(getitem, b_tables, b_attrs)))
+            buffers.update(zip(b_names, [table[attr] for table, attr in zip(b_tables, b_attrs)]))
         finally:
-            _each(map(setitem, p_tables, p_attrs, p_metas))
-            _each(map(setitem, b_tables, b_attrs, b_metas))
+            _put(p_tables, p_attrs, p_metas)
+            _put(b_tables, b_attrs, b_metas)
         return out
+
+
+def _put(tables: list, attrs: list, values) -> None:
+    """``tables[i][attrs[i]] = values[i]`` for each i: by ``map`` over ``setitem`` (in C),
+    or the loop dynamo traces inside a compiled step."""
+    if torch.compiler.is_compiling():
+        for table, attr, value in zip(tables, attrs, values):
+            table[attr] = value
+    else:
+        _each(map(setitem, tables, attrs, values))
 
 
 def functional(

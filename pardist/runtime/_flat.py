@@ -86,11 +86,15 @@ def _source(spec, out: list, consts: list) -> str:
     if spec.is_leaf():
         out.append(None)
         return f"L[{len(out) - 1}]"
-    parts = [_source(child, out, consts) for child in _children(spec)]
+    start = len(out)
+    children = _children(spec)
+    parts = [_source(child, out, consts) for child in children]
     kind = spec.type
     if kind is dict:
         consts.append(list(spec.context))
         k = len(consts) - 1
+        if children and all(c.is_leaf() for c in children):  # a dict of leaves: in C
+            return f"dict(zip(C[{k}], L[{start}:{len(out)}]))"
         return "{" + ", ".join(f"C[{k}][{i}]: {p}" for i, p in enumerate(parts)) + "}"
     if kind is list:
         return "[" + ", ".join(parts) + "]"
