@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +35,7 @@ from pardist.optim._sharded import ShardedState
 from pardist.runtime import _mesh, _rng, _tree
 from pardist.runtime._context import Ids, StepContext, debug_enabled, entered
 from pardist.step import _devices, _replication, _specs
+from pardist.step._donation import Consumed
 from pardist.step._specs import P
 from pardist.step._tracker import Tracker
 
@@ -76,9 +76,7 @@ class Step:
         self.reducers: dict = {}
         self.calls = 0
         self._specs_cache: dict = {}
-        # Donated leaves that are now invalid, by id; an entry goes when its tensor dies
-        # (else a new tensor at a dead one's address would send every call the slow way).
-        self._consumed: dict[int, weakref.ref] = {}
+        self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
         self.compiled = _step.compiled_step(compile, self.where)
 
     @property
@@ -175,7 +173,7 @@ class Step:
         specs, sharded, donated_idx, scatter, spans = self._leaf_specs(args, treedef, mesh, axes)
         ids = list(map(id, leaves))  # once: the sets below are of ids
         if self._consumed:
-            self._check_not_consumed(leaves, ids, args)
+            self._consumed.check(leaves, ids, args)
         check = self.calls == 0 or debug_enabled()
         if check:
             _devices.check(args, self.where)  # a batch on another device than the params
@@ -198,12 +196,7 @@ class Step:
         elif typed_problem:
             raise ValueError(typed_problem)
         if donated:
-            gone = donated.difference(map(id, _tree.tree_leaves(out)))
-            for i in donated_idx if gone else ():
-                x = leaves[i]
-                if id(x) in gone and isinstance(x, torch.Tensor):
-                    forget = functools.partial(_forget, self._consumed, id(x))
-                    self._consumed[id(x)] = weakref.ref(x, forget)
+            self._consumed.mark(out, leaves, donated, donated_idx)
         return out
 
     def _run_eager(self, args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter):
@@ -250,22 +243,6 @@ class Step:
                 own = _specs.specs(leaf).axes if isinstance(leaf, DTensor) else spec.axes
                 state.set(leaf, frozenset(own))
         return Tracker(state, self.where)
-
-    def _check_not_consumed(self, leaves: list, ids: list, args: tuple) -> None:
-        def consumed(leaf: Any) -> bool:
-            return (ref := self._consumed.get(id(leaf))) is not None and ref() is leaf
-
-        # The common case in C: no leaf's id is among the consumed ones.
-        if self._consumed.keys().isdisjoint(ids) or not any(map(consumed, leaves)):
-            return
-        for path, leaf in _tree.leaves_with_paths(args, "args"):
-            if consumed(leaf):
-                raise ValueError(
-                    f"{self.where}: {path} was donated to an earlier call "
-                    f"(donate_argnums={self.donate_argnums}) and may have been overwritten. "
-                    "Pass the value that call returned instead (params, opt_state = "
-                    "step(params, opt_state, batch)), or drop it from donate_argnums."
-                )
 
     def _check_inputs(self, args: tuple, specs: list[P], mesh: _mesh.Mesh, axes) -> None:
         """Every rank passes the same specs and block shapes; replicated inputs agree."""
@@ -336,12 +313,6 @@ class Step:
                         axes,
                     )
         return None
-
-
-def _forget(consumed: dict, key: int, ref: weakref.ref) -> None:
-    """A consumed tensor died: its id may now name a new tensor."""
-    if consumed.get(key) is ref:
-        del consumed[key]
 
 
 def _count(specs: Any) -> str:
