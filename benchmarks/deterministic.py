@@ -31,6 +31,7 @@ from torch import nn
 import pardist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from overhead import pardist_step  # noqa: E402  (the README's step)
 from vs_ddp import interleaved_ms  # noqa: E402  (the same interleaving as vs_ddp)
 
 ROWS = 48
@@ -73,31 +74,12 @@ MODELS = {
 def make_step(name: str, groups: int | None):
     build, inputs = MODELS[name]
     torch.manual_seed(0)
-    apply, params, buffers = pardist.functional(build())
-    opt = pardist.optim.adamw(1e-3)
+    net = build()
     g = torch.Generator().manual_seed(1)
     x, y = inputs(g), torch.randint(0, 10, (ROWS,), generator=g)
     r, n = pardist.rank(), pardist.world_size()
-    batch = (x[r * ROWS // n : (r + 1) * ROWS // n], y[r * ROWS // n : (r + 1) * ROWS // n])
-
-    def loss_fn(params, buffers, x, y):
-        out, buffers = apply(params, buffers, x)
-        return F.cross_entropy(out, y), buffers
-
-    @pardist.data_parallel(donate_argnums=(0, 1, 2), deterministic=groups)
-    def step(params, buffers, opt_state, batch):
-        (loss, buffers), grads = pardist.value_and_grad(loss_fn, has_aux=True)(
-            params, buffers, *batch
-        )
-        params, opt_state = opt.update(grads, opt_state, params)
-        return params, buffers, opt_state
-
-    state = {"all": (params, buffers, opt.init(params))}
-
-    def run():
-        state["all"] = step(*state["all"], batch)
-
-    return run
+    mine = slice(r * ROWS // n, (r + 1) * ROWS // n)
+    return pardist_step(net, x[mine], y[mine], loss=F.cross_entropy, deterministic=groups)
 
 
 def worker(names: list[str], groups: int, steps: int, warmup: int) -> dict:

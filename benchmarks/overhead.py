@@ -119,17 +119,18 @@ def floor_step(net: nn.Module, x, y):
     return step
 
 
-def pardist_step(net: nn.Module, x, y, compile: bool, sync_bn: bool = True):  # noqa: A002
-    """The README's step: value_and_grad with the buffers as aux, AdamW, donated."""
+def pardist_step(net: nn.Module, x, y, loss=F.mse_loss, sync_bn: bool = True, **options):
+    """The README's step: value_and_grad with the buffers as aux, AdamW, donated;
+    ``options`` (compile, deterministic) go to ``data_parallel``."""
     apply, params, buffers = pardist.functional(net, sync_bn=sync_bn)
     opt = pardist.optim.adamw(1e-3)
     state = {"all": (params, buffers, opt.init(params))}
 
     def loss_fn(params, buffers, x, y):
         out, buffers = apply(params, buffers, x)
-        return F.mse_loss(out, y), buffers
+        return loss(out, y), buffers
 
-    @pardist.data_parallel(donate_argnums=(0, 1, 2), compile=compile)
+    @pardist.data_parallel(donate_argnums=(0, 1, 2), **options)
     def step(params, buffers, opt_state, batch):
         (loss, buffers), grads = pardist.value_and_grad(loss_fn, has_aux=True)(
             params, buffers, *batch
