@@ -163,8 +163,11 @@ class _HandOver:
         rep = self.rep
         # Slot 0 carries the per-rank table, except to a reduce-scatter (ZeRO-2).
         self.carry = 0 if reduction.scatter else 1
-        table = [torch.empty(self.table.numel, dtype=rep[0].dtype, device=rep[0].device)]
-        table = [] if reduction.scatter else table
+        table = (
+            []
+            if reduction.scatter
+            else [torch.empty(self.table.numel, dtype=rep[0].dtype, device=rep[0].device)]
+        )
         self.reducer, self.base = reduction.reducer(self.ctx, rep, pending, table)
         # A row-weighted mean weighs the backward's seed instead (see compute): every
         # rank's contributions are then summed over the ranks' mean like any others.
@@ -301,7 +304,8 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
 def _detached(aux: Any) -> Any:
     """``aux`` cut from the graph (as is where nothing in it requires grad: buffers)."""
     leaves = _tree.tree_leaves(aux)
-    if all(map(torch.is_tensor, leaves)) and not any(map(_requires_grad, leaves)):
+    tensors = all(map(isinstance, leaves, itertools.repeat(torch.Tensor)))
+    if tensors and not any(map(_requires_grad, leaves)):
         return aux
     return _tree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
 

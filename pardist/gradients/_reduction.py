@@ -58,9 +58,6 @@ class Reduction:
         statistics take the first slots."""
         raise NotImplementedError
 
-    def __repr__(self) -> str:
-        return type(self).__name__
-
 
 class Local(Reduction):
     buckets = False

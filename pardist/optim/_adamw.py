@@ -13,6 +13,8 @@ from torch.optim.adamw import adamw as torch_adamw
 
 from pardist.optim._base import (
     Optimizer,
+    _device,
+    _is_cpu,
     aligned,
     fused_ok,
     next_count,
@@ -26,7 +28,7 @@ from pardist.runtime._compat import fused_adam_, fused_adamw_
 
 __all__ = ["AdamWState", "adam", "adamw"]
 
-_device, _dtype, _is_cpu = attrgetter("device"), attrgetter("dtype"), attrgetter("is_cpu")
+_dtype = attrgetter("dtype")
 
 
 class AdamWState(NamedTuple):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -158,10 +157,8 @@ class Step:
         counts = [child.num_leaves for child in children]
         starts = [sum(counts[:i]) for i in range(len(counts))]
         donated = [j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])]
-        # The donated leaves as slices of the flat leaves (one per donated argument).
-        spans = [slice(starts[i], starts[i] + counts[i]) for i in self.donate_argnums]
-        self._specs_cache[key] = treedef, (flat, sharded, donated, scatter, spans)
-        return flat, sharded, donated, scatter, spans
+        self._specs_cache[key] = treedef, (flat, sharded, donated, scatter)
+        return flat, sharded, donated, scatter
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # torch.compile(data_parallel(step))
@@ -170,7 +167,7 @@ class Step:
         mesh = self.mesh or _mesh.current_mesh(short)
         axes = self.data_axes(mesh)
         leaves, treedef = _tree.tree_flatten(args)
-        specs, sharded, donated_idx, scatter, spans = self._leaf_specs(args, treedef, mesh, axes)
+        specs, sharded, donated_idx, scatter = self._leaf_specs(args, treedef, mesh, axes)
         ids = list(map(id, leaves))  # once: the sets below are of ids
         if self._consumed:
             self._consumed.check(leaves, ids, args)
@@ -179,9 +176,7 @@ class Step:
             _devices.check(args, self.where)  # a batch on another device than the params
             self._check_inputs(args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
-        donated = set(
-            itertools.chain.from_iterable(map(ids.__getitem__, spans))
-        )  # (non-tensors': unused)
+        donated = set(map(ids.__getitem__, donated_idx))  # (ids of non-tensors: unused)
         out, typed_problem = _step.EAGER, None
         with _rng.stream(_rng.rank_index(mesh, axes)):  # dropout: per rank and step
             if self.compiled is not None:
