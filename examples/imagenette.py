@@ -154,7 +154,11 @@ def main() -> None:
     if len(train_set) < args.bs or len(valid_set) == 0:
         found = f"{len(train_set)} training and {len(valid_set)} validation images"
         fail(f"{root} holds {found}; --bs {args.bs} needs at least {args.bs} and 1.")
+    # Workers from a fork server, not forked from this process: it runs the collectives'
+    # threads by now, and a fork taken while one of them holds a lock can hang a worker.
+    context = "forkserver" if args.workers > 0 else None
     options = dict(num_workers=args.workers, pin_memory=cuda, persistent_workers=args.workers > 0)
+    options |= dict(multiprocessing_context=context)
     # One shuffle per epoch shared by the ranks; each global batch is split between them.
     loader = DataLoader(train_set, args.bs, shuffle=True, drop_last=True, **options)
     train = pardist.data.shard(loader, split_batches=True)
