@@ -128,3 +128,106 @@ def test_a_newly_donated_argument_gives_the_numbers_of_plain_torch(run):
     for once, twice, want_once, want_twice in run(2, _donation):
         torch.testing.assert_close(once, want_once)
         torch.testing.assert_close(twice, want_twice)
+
+
+def _optimizer_signatures():
+    """(name, params, grads per step) in the order one optimizer object sees them."""
+    g = torch.Generator().manual_seed(2)
+
+    def case(name, shapes, dtypes, transposed=False):
+        params = {k: torch.randn(s, generator=g, dtype=d) for (k, s), d in zip(shapes, dtypes)}
+        steps = []
+        for _ in range(3):
+            grads = {k: torch.randn(p.shape, generator=g, dtype=p.dtype) for k, p in params.items()}
+            if transposed:  # the same values in another memory order: re-laid out
+                grads["w"] = grads["w"].t().contiguous().t()
+            steps.append(grads)
+        return name, params, steps
+
+    shapes = [("w", (5, 3)), ("b", (3,))]
+    f32, f64 = torch.float32, torch.float64
+    return [
+        case("float32", shapes, [f32, f32]),
+        case("non-contiguous gradients", shapes, [f32, f32], transposed=True),
+        case("float64", shapes, [f64, f64]),
+        case("two dtypes", shapes, [f64, f32]),
+        case("another shape", [("w", (7, 2)), ("b", (2,))], [f32, f32]),
+        case("float32 again", shapes, [f32, f32]),
+    ]
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (lambda: pardist.optim.adamw(0.01), lambda p: torch.optim.AdamW(p, 0.01)),
+        (lambda: pardist.optim.adam(0.01), lambda p: torch.optim.Adam(p, 0.01)),
+        (
+            lambda: pardist.optim.sgd(0.1, momentum=0.9),
+            lambda p: torch.optim.SGD(p, 0.1, momentum=0.9),
+        ),
+    ],
+    ids=["adamw", "adam", "sgd"],
+)
+def test_one_optimizer_across_signatures_gives_torchs_numbers(ours, theirs):
+    """An optimizer remembers its checks for one signature of its tensors (Checked):
+    each new signature, re-laid-out gradients and mixed dtypes included, gets torch's."""
+    opt = ours()
+    for name, params, steps in _optimizer_signatures():
+        p, state = params, opt.init(params)
+        ref = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+        torch_opt = theirs(list(ref.values()))
+        for grads in steps:
+            p, state = opt.update(grads, state, p)
+            for k, t in ref.items():
+                t.grad = grads[k].clone()
+            torch_opt.step()
+            for k in ref:
+                assert p[k].dtype == ref[k].dtype, name
+                torch.testing.assert_close(p[k], ref[k].detach(), msg=name)
+
+
+def test_the_checks_run_once_per_signature(monkeypatch):
+    """The fast path is taken: a repeated signature skips the checks, a new one runs them."""
+    from pardist.optim import _base
+
+    calls = []
+    real = _base.aligned
+    monkeypatch.setattr(_base, "aligned", lambda *a: calls.append(1) or real(*a))
+    opt = pardist.optim.adamw(0.01)
+    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    state = opt.init(params)
+    for _ in range(3):
+        params, state = opt.update(grads, state, params)
+    assert len(calls) == 1
+    params, state = opt.update({**grads, "w": torch.ones(3, 4).t()}, state, params)
+    assert len(calls) == 2  # non-contiguous: checked (and re-laid out) again
+    doubled = {k: v.double() for k, v in params.items()}
+    opt.update({k: v.double() for k, v in grads.items()}, opt.init(doubled), doubled)
+    assert len(calls) == 3
+
+
+def test_a_signature_matches_only_tensors_alike_in_all_the_checks_read(monkeypatch):
+    from pardist.runtime._signature import Signature
+
+    made = [torch.randn(4, 3), torch.zeros(3, dtype=torch.float64)]
+    sig = Signature(made)
+    assert sig.matches(made) and sig.matches([torch.ones(4, 3), torch.ones(3).double()])
+    others = {
+        "dtype": [made[0].half(), made[1]],
+        "shape": [torch.randn(3, 4), made[1]],
+        "strides": [torch.randn(3, 4).t(), made[1]],
+        "requires_grad": [made[0].clone().requires_grad_(), made[1]],
+        "device": [made[0].to("meta"), made[1]],
+        "a subclass": [made[0], made[1].as_subclass(_Sub)],
+        "count": made[:1],
+        "order": made[::-1],
+    }
+    for what, tensors in others.items():
+        assert not sig.matches(tensors), what
+    monkeypatch.setenv("PARDIST_DEBUG", "1")  # every check on every call
+    assert not sig.matches(made)
+
+
+class _Sub(torch.Tensor):
+    pass

@@ -12,10 +12,10 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
 from pardist.optim._base import (
+    Checked,
     Optimizer,
     _device,
     _is_cpu,
-    aligned,
     fused_ok,
     next_count,
     on_shards,
@@ -86,13 +86,15 @@ def adamw(
             torch.zeros((), dtype=torch.int64), zeros(), zeros(), zeros() if amsgrad else None
         )
 
+    checked = Checked()  # the checks' answers, kept for one signature of the tensors
+
     def update_fn(grads, state, params):
-        g, p, treedef = aligned(grads, params, f"{name}.update")
         leaves = [
             _tree.tree_leaves(state.exp_avg),
             _tree.tree_leaves(state.exp_avg_sq),
             _tree.tree_leaves(state.max_exp_avg_sq) if amsgrad else None,
         ]
+        g, p, treedef, known = checked.aligned(grads, params, leaves, f"{name}.update")
         in_place, p, (m, v, vmax) = owned(p, *leaves)
         traced = torch.compiler.is_compiling()  # then the count is no Python int
         options = dict(
@@ -104,8 +106,10 @@ def adamw(
             amsgrad=amsgrad,
             maximize=maximize,
         )
-        if foreach is None and fused_ok(p, fused, g, m, v, vmax):
-            _fused(p, g, m, v, vmax or [], int(state.count) + 1, decoupled, options)
+        plan = lambda: _groups(p) if fused_ok(p, fused, g, m, v, vmax) else None  # noqa: E731
+        groups = checked.decided(known, in_place, plan) if foreach is None else None
+        if groups is not None:
+            _fused(p, g, m, v, vmax or [], int(state.count) + 1, decoupled, options, groups)
         elif traced:  # foreach kernels over step tensors, as torch's compiled AdamW
             steps = [state.count.to(torch.float32, copy=True) for _ in p]  # torch adds the 1
             kernel = torch_adamw if decoupled else torch_adam
@@ -126,21 +130,24 @@ def adamw(
     return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"), lr)
 
 
-def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict) -> None:
-    """torch's fused kernel per (device, dtype), reading one step tensor per group."""
-    kernel = fused_adamw_ if decoupled else fused_adam_
+def _groups(p: list) -> list[tuple[torch.device, list[int] | None]]:
+    """The fused kernel's calls: a device and the indices it updates (None: all of them)."""
     one_device = all(map(_is_cpu, p)) or len(set(map(_device, p))) == 1  # (CPU: no objects)
     if p and one_device and len(set(map(_dtype, p))) == 1:  # the common case: one call
-        steps = [torch.full((), float(step), dtype=torch.float32, device=p[0].device)] * len(p)
-        kernel(p, g, m, v, vmax, steps, **options)
-        return
+        return [(p[0].device, None)]
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, t in enumerate(p):
         groups[(t.device, t.dtype)].append(i)
-    for (device, _), index in groups.items():
-        pick = lambda ts, index=index: [ts[i] for i in index] if ts else []  # noqa: E731
-        steps = [torch.full((), float(step), dtype=torch.float32, device=device)] * len(index)
-        kernel(pick(p), pick(g), pick(m), pick(v), pick(vmax), steps, **options)
+    return [(device, index) for (device, _), index in groups.items()]
+
+
+def _fused(p, g, m, v, vmax, step: int, decoupled: bool, options: dict, groups: list) -> None:
+    """torch's fused kernel per (device, dtype) group, reading one step tensor per group."""
+    kernel = fused_adamw_ if decoupled else fused_adam_
+    for device, index in groups:
+        pick = lambda ts, index=index: ts if index is None or not ts else [ts[i] for i in index]  # noqa: E731
+        steps = [torch.full((), float(step), dtype=torch.float32, device=device)]
+        kernel(pick(p), pick(g), pick(m), pick(v), pick(vmax), steps * len(pick(p)), **options)
 
 
 def adam(

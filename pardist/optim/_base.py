@@ -23,8 +23,10 @@ from pardist.runtime import _tree
 from pardist.runtime._compat import dtensor_local, dtensor_spec, fused_kernel_devices
 from pardist.runtime._context import donating, is_donated
 from pardist.runtime._layout import is_dense, laid_out_like, same_layout
+from pardist.runtime._signature import Signature
 
 __all__ = [
+    "Checked",
     "GradientTransformation",
     "Optimizer",
     "chain",
@@ -156,6 +158,46 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
                 f"{where}: {path} has shape {shape} but its parameter has shape {tuple(p.shape)}."
             )
     return g_leaves, p_leaves, treedef
+
+
+class Checked:
+    """What an optimizer's checks found, remembered for one signature of its tensors.
+
+    ``aligned`` and ``fused_ok`` read only what a :class:`Signature` compares (type,
+    shape, strides, dtype, device of each tensor). A later call whose parameters,
+    gradients and state match the last checked ones, position by position, in trees
+    of one structure, skips them: one pass in C instead of one per property. Any
+    other call runs every check and remembers its tensors instead (issue 19).
+    """
+
+    def __init__(self):
+        self._signature: Signature | None = None
+        self._decided: dict = {}  # in_place -> what the caller decided for the signature
+
+    def aligned(self, grads: Any, params: Any, states: list, where: str) -> tuple:
+        """``aligned``'s (grads, params, treedef), and whether these tensors were checked."""
+        if torch.compiler.is_compiling():  # a graph's guards are dynamo's
+            return (*aligned(grads, params, where), False)
+        p, treedef = _tree.tree_flatten(params)
+        g, g_def = _tree.tree_flatten(grads)
+        every = p + g + [t for s in states if s is not None for t in s]
+        known = self._signature
+        if known is not None and (g_def is treedef or g_def == treedef) and known.matches(every):
+            return g, p, treedef, True
+        g_out, p, treedef = aligned(grads, params, where)
+        # Remembered only where the gradients are used as given (none re-laid out).
+        same = len(g_out) == len(g) and all(map(operator.is_, g_out, g))
+        self._signature, self._decided = (Signature(every) if same else None), {}
+        return g_out, p, treedef, False
+
+    def decided(self, known: bool, in_place: bool, decide: Callable[[], Any]) -> Any:
+        """``decide()``, or what it returned for these tensors' signature before."""
+        if known and in_place in self._decided:
+            return self._decided[in_place]
+        answer = decide()
+        if self._signature is not None and not torch.compiler.is_compiling():
+            self._decided[in_place] = answer
+        return answer
 
 
 def owned(params: list, *states: list) -> tuple[bool, list, list[list]]:

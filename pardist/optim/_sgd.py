@@ -9,8 +9,8 @@ import torch
 from torch.optim.sgd import sgd as torch_sgd
 
 from pardist.optim._base import (
+    Checked,
     Optimizer,
-    aligned,
     fused_ok,
     next_count,
     on_shards,
@@ -73,19 +73,23 @@ def sgd(
         buffers = _tree.tree_map(torch.zeros_like, params) if momentum else None
         return SGDState(torch.zeros((), dtype=torch.int64), buffers)
 
+    checked = Checked()  # the checks' answers, kept for one signature of the tensors
+
     def update_fn(grads, state, params):
-        g, p, treedef = aligned(grads, params, "pardist.optim.sgd.update")
+        old = None if not momentum else _tree.tree_leaves(state.momentum_buffer)
+        g, p, treedef, known = checked.aligned(grads, params, [old], "pardist.optim.sgd.update")
         traced = torch.compiler.is_compiling()
         # Compiled, the count is no Python int; with dampening 0 the general momentum
         # formula on the zero-initialised buffer is exactly torch's first step.
         first = not traced and int(state.count) == 0
-        old = None if not momentum else _tree.tree_leaves(state.momentum_buffer)
         in_place, p, (buffers,) = owned(p, None if first else old)
         if buffers is None:  # torch starts the momentum from the first gradient
             buffers = [None] * len(p)
         each = True if traced and foreach is None else foreach
         if each and nesterov and not weight_decay:
             g = [t.clone() for t in g]  # torch's foreach Nesterov adds into the gradients
+        plan = lambda: fused_ok(p, fused, g, buffers)  # noqa: E731
+        use_fused = foreach is None and checked.decided(known, (in_place, first), plan)
 
         def run(p, buffers):
             torch_sgd(
@@ -98,7 +102,7 @@ def sgd(
                 dampening=dampening,
                 nesterov=nesterov,
                 maximize=maximize,
-                fused=fused_ok(p, fused, g, buffers) if foreach is None else False,
+                fused=use_fused,
                 foreach=each,
             )
 

@@ -198,3 +198,28 @@ def storage_holders(t: torch.Tensor) -> int:
     if _use_count is None:
         return 1 << 30
     return _raw_use_count(t) - _LONE + 1
+
+
+# torch._C._dynamo.guards.TensorGuards: the C++ check dynamo runs on a compiled graph's
+# tensor inputs (Python type, dispatch keys, dtype, device, sizes, strides; in
+# torch/csrc/dynamo/guards.cpp since 2.0, called with these keywords since 2.1).
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - a torch without it: no guard, every check runs
+    _TensorGuards = None
+
+
+def tensor_guard(tensors: list[torch.Tensor]):
+    """A guard made for ``tensors``, whose ``check(*others)`` says in one pass in C
+    whether ``others`` match them position by position; None where this torch has none."""
+    if _TensorGuards is None:
+        return None
+    try:
+        guard = _TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],  # every size static
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+        return guard if guard.check(*tensors) else None
+    except (TypeError, RuntimeError):  # another torch's signature: no guard
+        return None
