@@ -14,11 +14,18 @@ call (tracing and compiling included; caches off, so it is what a first run pays
                       memory (CPU ranks of one host), called from the graph
     pardist_compiled_gloo  the same graph with torch's functional collectives over
                       gloo instead (what runs where shared memory cannot)
+    pardist_loss_compiled  the eager step, its loss function given to pardist.grad as
+                      torch.compile(loss_fn, dynamic=False): forward and backward
+                      compiled as torch.compile(model) compiles them (AOTAutograd's
+                      joint graph), the gradient mean and the update eager
     ddp               torch DistributedDataParallel, torch.optim.SGD
     ddp_compiled      torch.compile(DDP(model)), torch.optim.SGD (DDPOptimizer
                       splits the graph at the gradient buckets)
     torch             one process, no DDP (world size 1 only)
     torch_compiled    one process, torch.compile(model) (world size 1 only)
+    torch_func_compiled  one process, no pardist: torch.compile of a whole functional
+                      step, torch.func.grad_and_value over functional_call and
+                      torch's SGD in one graph, what pardist compiles (world size 1)
 
 Batch norm uses per-rank statistics in every variant (sync_bn=False, as DDP
 without SyncBatchNorm). Each rank runs one thread. On CUDA the script runs
@@ -37,11 +44,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.sgd import sgd as torch_sgd
 from vs_ddp import MODELS, interleaved_ms, pardist_step, sync
 
 import pardist
 
-COMPILED = ("pardist_compiled", "pardist_compiled_gloo", "ddp_compiled", "torch_compiled")
+COMPILED = (
+    "pardist_compiled",
+    "pardist_compiled_gloo",
+    "pardist_loss_compiled",
+    "ddp_compiled",
+    "torch_compiled",
+    "torch_func_compiled",
+)
 
 
 def _first_call(fn) -> float:
@@ -50,6 +65,36 @@ def _first_call(fn) -> float:
     fn()
     sync()
     return time.perf_counter() - t0
+
+
+def torch_func_step(net: nn.Module, x, y):
+    """Plain torch compiling a pure step as pardist does: the gradient by torch.func
+    inside the graph, SGD with momentum (foreach, as compiled torch.optim) in it too."""
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    buffers = {k: v.clone() for k, v in net.named_buffers()}
+    momentum = [torch.zeros_like(v) for v in params.values()]
+
+    def loss(p, b):
+        return F.cross_entropy(torch.func.functional_call(net, (p, b), (x,)), y)
+
+    @torch.compile(fullgraph=True)
+    def step(p, b, m):
+        grads, value = torch.func.grad_and_value(loss)(p, b)
+        torch_sgd(
+            list(p.values()),
+            list(grads.values()),
+            m,
+            weight_decay=0.0,
+            momentum=0.9,
+            lr=1e-3,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            foreach=True,
+        )
+        return value
+
+    return lambda: step(params, buffers, momentum)
 
 
 def variants(name: str, world: int) -> tuple[dict, dict]:
@@ -71,10 +116,15 @@ def variants(name: str, world: int) -> tuple[dict, dict]:
 
         return step
 
-    for label in ("pardist", "pardist_compiled", "pardist_compiled_gloo"):
+    for label in ("pardist", "pardist_compiled", "pardist_compiled_gloo", "pardist_loss_compiled"):
         torch.manual_seed(0)
-        run = pardist_step(make().to(device), x, y, compile=label != "pardist")
-        if label == "pardist_compiled_gloo":
+        whole = label in ("pardist_compiled", "pardist_compiled_gloo")
+        run = pardist_step(
+            make().to(device), x, y, compile=whole, compile_loss=label == "pardist_loss_compiled"
+        )
+        if label == "pardist_loss_compiled":
+            first[label] = _first_call(run)
+        elif label == "pardist_compiled_gloo":
             os.environ["PARDIST_SHM"] = "0"  # read when the step is planned, on its first call
             first[label] = _first_call(run)
             del os.environ["PARDIST_SHM"]
@@ -92,6 +142,9 @@ def variants(name: str, world: int) -> tuple[dict, dict]:
             net = make().to(device)
             steps[label] = torch_step(torch.compile(net) if label == "torch_compiled" else net)
         first["torch_compiled"] = _first_call(steps["torch_compiled"])
+        torch.manual_seed(0)
+        steps["torch_func_compiled"] = torch_func_step(make().to(device), x, y)
+        first["torch_func_compiled"] = _first_call(steps["torch_func_compiled"])
     return steps, first
 
 
@@ -122,11 +175,13 @@ def ratio(r: dict, a: str, b: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| model | ranks | pardist | pardist compiled | compiled, gloo | DDP | DDP + compile "
-        "| torch | torch.compile | compiled/eager | compiled/DDP+compile "
-        "| compiled/torch.compile | compile s: pardist / DDP / torch |"
+        "| model | ranks | pardist | pardist compiled | compiled, gloo | pardist, loss compiled "
+        "| DDP | DDP + compile | torch | torch.compile | torch, func step compiled "
+        "| compiled/eager | compiled/DDP+compile | compiled/torch.compile "
+        "| compiled/torch func step | loss compiled/torch.compile "
+        "| loss compiled/DDP+compile | compile s: pardist / DDP / torch |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 18]
     for r in rows:
         cell = lambda k, r=r: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
         compiled = ("pardist_compiled", "ddp_compiled", "torch_compiled")
@@ -135,11 +190,15 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['model']} | {r['ranks']} | {cell('pardist')} | {cell('pardist_compiled')} "
-            f"| {cell('pardist_compiled_gloo')} | {cell('ddp')} | {cell('ddp_compiled')} "
-            f"| {cell('torch')} | {cell('torch_compiled')} "
+            f"| {cell('pardist_compiled_gloo')} | {cell('pardist_loss_compiled')} "
+            f"| {cell('ddp')} | {cell('ddp_compiled')} "
+            f"| {cell('torch')} | {cell('torch_compiled')} | {cell('torch_func_compiled')} "
             f"| {ratio(r, 'pardist_compiled', 'pardist')} "
             f"| {ratio(r, 'pardist_compiled', 'ddp_compiled')} "
-            f"| {ratio(r, 'pardist_compiled', 'torch_compiled')} | {secs} |"
+            f"| {ratio(r, 'pardist_compiled', 'torch_compiled')} "
+            f"| {ratio(r, 'pardist_compiled', 'torch_func_compiled')} "
+            f"| {ratio(r, 'pardist_loss_compiled', 'torch_compiled')} "
+            f"| {ratio(r, 'pardist_loss_compiled', 'ddp_compiled')} | {secs} |"
         )
     return "\n".join(lines)
 

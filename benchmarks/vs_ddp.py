@@ -133,10 +133,12 @@ def variants(name: str, world: int, overlap: str = "on"):
     return out
 
 
-def pardist_step(net: nn.Module, x, y, sync_bn: bool = False, **options):
+def pardist_step(net: nn.Module, x, y, sync_bn: bool = False, compile_loss=False, **options):
     """pardist's step on ``net`` (SGD with momentum, params and state donated) as a
     function of nothing that trains one step on ``(x, y)``; ``options`` go to
-    ``data_parallel``. The same step for every benchmark that compares with it."""
+    ``data_parallel``. The same step for every benchmark that compares with it.
+    ``compile_loss``: the loss function given to ``pardist.grad`` is
+    ``torch.compile(loss_fn, dynamic=False)``, the rest of the step eager."""
     apply, params, buffers = pardist.functional(net, sync_bn=sync_bn)
     sgd = pardist.optim.sgd(lr=1e-3, momentum=0.9)
     state = {"all": (params, buffers, sgd.init(params))}
@@ -144,6 +146,9 @@ def pardist_step(net: nn.Module, x, y, sync_bn: bool = False, **options):
     def loss_fn(params, buffers, x, y):
         logits, buffers = apply(params, buffers, x)
         return F.cross_entropy(logits, y), buffers
+
+    if compile_loss:
+        loss_fn = torch.compile(loss_fn, dynamic=False)
 
     def train_step(params, buffers, opt_state, batch):
         grads, buffers = pardist.grad(loss_fn, has_aux=True)(params, buffers, *batch)

@@ -88,9 +88,13 @@ def train_pardist(
     sync_bn: bool = True,
     whole_batch: bool = False,
     donate: bool = False,
+    compile_loss: dict | None = None,
     **dp_options,
 ):
-    """Train with data_parallel; return (params, buffers, per-step losses, per-step prints)."""
+    """Train with data_parallel; return (params, buffers, per-step losses, per-step prints).
+
+    ``compile_loss``: torch.compile's arguments for the loss function given to
+    ``pardist.value_and_grad`` (the rest of the step stays eager)."""
     apply, params, buffers = pardist.functional(MODELS[model](), sync_bn=sync_bn)
     opt = make_optimizer(opt_name)
     state = opt.init(params)
@@ -98,6 +102,9 @@ def train_pardist(
     def loss_fn(params, buffers, x, y):
         out, new_buffers = apply(params, buffers, x)
         return F.cross_entropy(out, y), new_buffers
+
+    if compile_loss is not None:
+        loss_fn = torch.compile(loss_fn, **compile_loss)
 
     def step(params, buffers, state, batch):
         (loss, new_buffers), grads = pardist.value_and_grad(loss_fn, has_aux=True)(

@@ -99,6 +99,28 @@ def test_step_compiles_to_one_graph_with_the_eager_numbers(run, world1, model, o
     _assert_replicas_identical(results)
 
 
+def _loss_compiled(sync_bn: bool):
+    _Counter("inductor")  # a fresh dynamo cache, one compile thread
+    eager = helpers.train_pardist("convnet", "sgd", steps=3, donate=True, sync_bn=sync_bn)
+    compiled = helpers.train_pardist(
+        "convnet", "sgd", steps=3, donate=True, sync_bn=sync_bn, compile_loss={"dynamic": False}
+    )
+    # Per-rank batch norm is DDP's (no SyncBatchNorm on CPU): DDP is the reference there.
+    return eager, compiled, None if sync_bn else helpers.train_ddp("convnet", "sgd", steps=3)
+
+
+@pytest.mark.parametrize("sync_bn", [True, False], ids=["sync_bn", "per_rank_bn"])
+def test_a_compiled_loss_in_an_eager_step_has_the_eager_numbers(run, world1, sync_bn):
+    """The other way to compile (docs/compile.md): pardist.grad(torch.compile(loss_fn)),
+    forward and backward in AOTAutograd's graphs, the gradient mean and update eager.
+    With cross-replica batch norm the graph breaks at each norm (its collectives)."""
+    reference = helpers.train_pardist("convnet", "sgd", steps=3, whole_batch=True)
+    results = run(2, _loss_compiled, sync_bn, timeout=LIMIT)
+    for eager, compiled, ddp in results:
+        _assert_equal_numbers(eager, compiled, reference if sync_bn else (ddp,))
+    _assert_replicas_identical([(eager, compiled, None, None) for eager, compiled, _ in results])
+
+
 def test_gloo_transport_three_ranks_and_per_shard_batch_norm(run):
     """Without shared memory, torch's functional collectives over gloo are in the graph."""
     env = {"PARDIST_SHM": "0"}
