@@ -203,8 +203,31 @@ def test_the_checks_run_once_per_signature(monkeypatch):
     params, state = opt.update({**grads, "w": torch.ones(3, 4).t()}, state, params)
     assert len(calls) == 2  # non-contiguous: checked (and re-laid out) again
     doubled = {k: v.double() for k, v in params.items()}
-    opt.update({k: v.double() for k, v in grads.items()}, opt.init(doubled), doubled)
+    grads64 = {k: v.double() for k, v in grads.items()}
+    state64 = opt.init(doubled)
+    doubled, state64 = opt.update(grads64, state64, doubled)
     assert len(calls) == 3
+    for _ in range(3):  # one optimizer for two groups in turn: both signatures kept
+        params, state = opt.update(grads, state, params)
+        doubled, state64 = opt.update(grads64, state64, doubled)
+    assert len(calls) == 3
+
+
+def test_an_optimizer_whose_signatures_keep_changing_stops_remembering(monkeypatch):
+    from pardist.optim import _base
+
+    calls = []
+    real = _base.aligned
+    monkeypatch.setattr(_base, "aligned", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_base.Checked, "MAKE", 2)
+    opt = pardist.optim.sgd(0.1)
+    for n in (2, 3, 4, 4, 4):  # a new shape each call, then the third one again
+        params = {"w": torch.ones(n)}
+        opt.update({"w": torch.ones(n)}, opt.init(params), params)
+    assert len(calls) == 5  # the third signature was not kept: checked every call
+    params = {"w": torch.ones(2)}
+    opt.update({"w": torch.ones(2)}, opt.init(params), params)
+    assert len(calls) == 5  # the first is still known
 
 
 def test_a_signature_matches_only_tensors_alike_in_all_the_checks_read(monkeypatch):

@@ -94,7 +94,7 @@ def adamw(
             _tree.tree_leaves(state.exp_avg_sq),
             _tree.tree_leaves(state.max_exp_avg_sq) if amsgrad else None,
         ]
-        g, p, treedef, known = checked.aligned(grads, params, leaves, f"{name}.update")
+        g, p, treedef, answers = checked.aligned(grads, params, leaves, f"{name}.update")
         in_place, p, (m, v, vmax) = owned(p, *leaves)
         traced = torch.compiler.is_compiling()  # then the count is no Python int
         options = dict(
@@ -107,7 +107,7 @@ def adamw(
             maximize=maximize,
         )
         plan = lambda: _groups(p) if fused_ok(p, fused, g, m, v, vmax) else None  # noqa: E731
-        groups = checked.decided(known, in_place, plan) if foreach is None else None
+        groups = checked.decided(answers, in_place, plan) if foreach is None else None
         if groups is not None:
             _fused(p, g, m, v, vmax or [], int(state.count) + 1, decoupled, options, groups)
         elif traced:  # foreach kernels over step tensors, as torch's compiled AdamW

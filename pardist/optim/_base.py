@@ -161,42 +161,58 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
 
 
 class Checked:
-    """What an optimizer's checks found, remembered for one signature of its tensors.
+    """What an optimizer's checks found, remembered for a few signatures of its tensors.
 
     ``aligned`` and ``fused_ok`` read only what a :class:`Signature` compares (type,
     shape, strides, dtype, device of each tensor). A later call whose parameters,
-    gradients and state match the last checked ones, position by position, in trees
-    of one structure, skips them: one pass in C instead of one per property. Any
-    other call runs every check and remembers its tensors instead (issue 19).
+    gradients and state match checked ones, position by position, in trees of one
+    structure, skips them: one pass in C instead of one per property. Any other call
+    runs every check and remembers its tensors (issue 19). The last ``KEEP``
+    signatures are kept (one optimizer may serve several parameter groups in turn);
+    making one costs about ten checked calls, so after ``MAKE`` of them an optimizer
+    whose signatures keep changing stops making more and checks every call, as before.
     """
 
+    KEEP, MAKE = 4, 64
+
     def __init__(self):
-        self._signature: Signature | None = None
-        self._decided: dict = {}  # in_place -> what the caller decided for the signature
+        self._known: list[tuple[Signature, dict]] = []  # newest first; dict: in_place -> answer
+        self._made = 0
 
     def aligned(self, grads: Any, params: Any, states: list, where: str) -> tuple:
-        """``aligned``'s (grads, params, treedef), and whether these tensors were checked."""
+        """``aligned``'s (grads, params, treedef), and the answers kept for these tensors'
+        signature (None: not remembered)."""
         if torch.compiler.is_compiling():  # a graph's guards are dynamo's
-            return (*aligned(grads, params, where), False)
+            return (*aligned(grads, params, where), None)
         p, treedef = _tree.tree_flatten(params)
         g, g_def = _tree.tree_flatten(grads)
         every = p + g + [t for s in states if s is not None for t in s]
-        known = self._signature
-        if known is not None and (g_def is treedef or g_def == treedef) and known.matches(every):
-            return g, p, treedef, True
+        if g_def is treedef or g_def == treedef:
+            for i, entry in enumerate(self._known):
+                if entry[0].matches(every):
+                    if i:  # the newest first
+                        self._known.insert(0, self._known.pop(i))
+                    return g, p, treedef, entry[1]
         g_out, p, treedef = aligned(grads, params, where)
         # Remembered only where the gradients are used as given (none re-laid out).
         same = len(g_out) == len(g) and all(map(operator.is_, g_out, g))
-        self._signature, self._decided = (Signature(every) if same else None), {}
-        return g_out, p, treedef, False
+        if not same or self._made >= self.MAKE:
+            return g_out, p, treedef, None
+        self._made += 1
+        signature, answers = Signature(every), {}
+        if not signature.usable:  # subclasses, or no guard in this torch
+            return g_out, p, treedef, None
+        self._known = [(signature, answers)] + self._known[: self.KEEP - 1]
+        return g_out, p, treedef, answers
 
-    def decided(self, known: bool, in_place: bool, decide: Callable[[], Any]) -> Any:
-        """``decide()``, or what it returned for these tensors' signature before."""
-        if known and in_place in self._decided:
-            return self._decided[in_place]
+    @staticmethod
+    def decided(answers: dict | None, in_place: bool, decide: Callable[[], Any]) -> Any:
+        """``decide()``, or what it returned before for these tensors' signature."""
+        if answers is not None and in_place in answers:
+            return answers[in_place]
         answer = decide()
-        if self._signature is not None and not torch.compiler.is_compiling():
-            self._decided[in_place] = answer
+        if answers is not None:
+            answers[in_place] = answer
         return answer
 
 

@@ -77,7 +77,7 @@ def sgd(
 
     def update_fn(grads, state, params):
         old = None if not momentum else _tree.tree_leaves(state.momentum_buffer)
-        g, p, treedef, known = checked.aligned(grads, params, [old], "pardist.optim.sgd.update")
+        g, p, treedef, answers = checked.aligned(grads, params, [old], "pardist.optim.sgd.update")
         traced = torch.compiler.is_compiling()
         # Compiled, the count is no Python int; with dampening 0 the general momentum
         # formula on the zero-initialised buffer is exactly torch's first step.
@@ -89,7 +89,7 @@ def sgd(
         if each and nesterov and not weight_decay:
             g = [t.clone() for t in g]  # torch's foreach Nesterov adds into the gradients
         plan = lambda: fused_ok(p, fused, g, buffers)  # noqa: E731
-        use_fused = foreach is None and checked.decided(known, (in_place, first), plan)
+        use_fused = foreach is None and checked.decided(answers, (in_place, first), plan)
 
         def run(p, buffers):
             torch_sgd(

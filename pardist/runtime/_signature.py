@@ -37,6 +37,11 @@ class Signature:
         plain = all(type(t) in _PLAIN for t in tensors)  # subclasses: every check runs
         self._guard = tensor_guard(tensors) if plain and not torch.compiler.is_compiling() else None
 
+    @property
+    def usable(self) -> bool:
+        """Whether it can match anything (a guard was made: plain tensors, a torch with it)."""
+        return self._guard is not None
+
     def matches(self, tensors: list) -> bool:
         """Whether ``tensors`` are alike the ones this was made for, position by position."""
         guard = self._guard
