@@ -81,6 +81,13 @@ def _other_batch_norm(func) -> bool:
     return "batch_norm" in getattr(func, "__name__", "")
 
 
+# Eager calls: which functions are not batch norm at all, found once per function. Every
+# torch call of the model passes through the mode, and most are not batch norm: 0.6 us a
+# call went to telling so (2.5 us an op under the mode, 1.9 under an empty mode, 1.1 with
+# none). Not used while dynamo traces, whose guards would see the set grow.
+_PLAIN_FUNCS: set = set()
+
+
 def _statistics(x: torch.Tensor, axis: tuple[str, ...], where):
     """Global per-channel count, mean and biased variance of ``x`` over ``axis``.
 
@@ -187,6 +194,8 @@ class _CrossReplica(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PLAIN_FUNCS and not torch.compiler.is_compiling():  # the common case
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         parse = _PARSERS.get(func)
         if parse is not None or _other_batch_norm(func):
@@ -208,6 +217,11 @@ class _CrossReplica(TorchFunctionMode):
                 "not that. Call F.batch_norm instead, or use "
                 "pardist.functional(model, sync_bn=False) for per-rank statistics."
             )
+        elif not torch.compiler.is_compiling() and not _other_batch_norm(func):
+            try:
+                _PLAIN_FUNCS.add(func)
+            except TypeError:  # an unhashable callable: asked every time
+                pass
         return func(*args, **kwargs)
 
     @staticmethod
