@@ -49,15 +49,6 @@ from vs_ddp import MODELS, interleaved_ms, pardist_step, sync
 
 import pardist
 
-COMPILED = (
-    "pardist_compiled",
-    "pardist_compiled_gloo",
-    "pardist_loss_compiled",
-    "ddp_compiled",
-    "torch_compiled",
-    "torch_func_compiled",
-)
-
 
 def _first_call(fn) -> float:
     sync()

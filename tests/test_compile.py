@@ -26,14 +26,18 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 LIMIT = 300  # seconds per call: compiling is slow on a loaded machine
 
 
+def _fresh_dynamo() -> None:
+    """A fresh dynamo cache (the kept-alive test ranks compiled the same step code for
+    other models in earlier tests), and inductor compiling with one thread."""
+    torch._dynamo.reset()
+    torch._inductor.config.compile_threads = 1
+
+
 class _Counter:
     """A backend that keeps every graph it compiled (dynamo's restarts are not graphs)."""
 
     def __init__(self, backend: str):
-        # A fresh dynamo cache: the kept-alive test ranks compiled the same step
-        # code for other models in earlier tests.
-        torch._dynamo.reset()
-        torch._inductor.config.compile_threads = 1
+        _fresh_dynamo()
         self.backend, self.graphs = backend, []
 
     def __call__(self, gm, example_inputs):
@@ -100,7 +104,7 @@ def test_step_compiles_to_one_graph_with_the_eager_numbers(run, world1, model, o
 
 
 def _loss_compiled(sync_bn: bool):
-    _Counter("inductor")  # a fresh dynamo cache, one compile thread
+    _fresh_dynamo()
     eager = helpers.train_pardist("convnet", "sgd", steps=3, donate=True, sync_bn=sync_bn)
     compiled = helpers.train_pardist(
         "convnet", "sgd", steps=3, donate=True, sync_bn=sync_bn, compile_loss={"dynamic": False}
