@@ -28,6 +28,7 @@ from pardist.launch._spawn import SpawnError, spawn
 from pardist.nn._convert import CrossReplicaBatchNorm, convert_batchnorm
 from pardist.nn._export import state_dict
 from pardist.nn._functional import functional
+from pardist.nn._remat import Remat, remat
 from pardist.runtime._mesh import Mesh, distributed, init
 from pardist.runtime._process import (
     device,
@@ -56,6 +57,7 @@ __all__ = [
     "Mesh",
     "NonFiniteLossWarning",
     "P",
+    "Remat",
     "SpawnError",
     "all_gather",
     "all_to_all",
@@ -91,6 +93,7 @@ __all__ = [
     "rank",
     "rank0_first",
     "rank_seed",
+    "remat",
     "rng_count",
     "seed_everything",
     "seed_worker",

@@ -2,17 +2,22 @@
 
 ``run(n, fn, *args)`` runs ``fn(*args)`` on every rank of an n-process gloo group
 and returns each rank's result (rank order), or raises the failing rank's
-traceback. Groups start once per session from a forkserver that has torch
-imported, so a test costs its own work, not torch's import; a group in which
-anything failed is discarded and started afresh for the next test. Every call is
-bounded: collectives time out after PARDIST_TIMEOUT seconds, and a call that
-does not return in time kills its group.
+traceback. Groups start once per session, so a test costs its own work, not
+torch's import; a group in which anything failed is discarded and started afresh
+for the next test. Every call is bounded: collectives time out after
+PARDIST_TIMEOUT seconds, and a call that does not return in time kills its group.
+
+The ranks differ as torchrun's do: each is a fresh interpreter ('spawn') with a
+PYTHONHASHSEED of its own, so anything that follows a set's order (which follows
+the hash seed) differs between ranks here as it does under torchrun. The seeds
+are drawn per session and shown in pytest's header; PARDIST_TEST_HASH_SEEDS=a,b,..
+replays them.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import random
 
 import pytest
 
@@ -29,9 +34,22 @@ collect_ignore_glob = ["scripts/*"]
 CALL_TIMEOUT = 120.0
 
 
+def _hash_seeds() -> list[int]:
+    given = os.environ.get("PARDIST_TEST_HASH_SEEDS")
+    if given:
+        return [int(s) for s in given.split(",")]
+    return random.Random().sample(range(1, 2**32 - 1), 4)
+
+
+HASH_SEEDS = _hash_seeds()
+
+
+def pytest_report_header(config):
+    return f"rank hash seeds: PARDIST_TEST_HASH_SEEDS={','.join(map(str, HASH_SEEDS))}"
+
+
 @pytest.fixture(scope="session")
 def _groups():
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["torch", "pardist"])
     groups: dict[int, Workers] = {}
     yield groups
     for workers in groups.values():
@@ -43,7 +61,13 @@ def run(_groups):
     def run(nprocs: int, fn, *args, timeout: float = CALL_TIMEOUT, env=None, **kwargs):
         key = (nprocs, tuple(sorted((env or {}).items())))
         if key not in _groups:
-            _groups[key] = Workers(nprocs, start_method="forkserver", env=env, timeout=CALL_TIMEOUT)
+            _groups[key] = Workers(
+                nprocs,
+                start_method="spawn",
+                env=env,
+                timeout=CALL_TIMEOUT,
+                hash_seeds=HASH_SEEDS[:nprocs],
+            )
         try:
             return _groups[key].run(fn, *args, timeout=timeout, **kwargs)
         except SpawnError:

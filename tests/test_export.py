@@ -91,3 +91,34 @@ def test_a_key_the_params_lack_is_named(world1):
     apply, params, buffers = pardist.functional(nn.Linear(2, 1))
     with pytest.raises(KeyError, match="'bias'"):
         pardist.state_dict({"weight": params["weight"]}, buffers, nn.Linear(2, 1))
+
+
+class _WithPositions(nn.Module):
+    """BERT's pattern: a non-persistent buffer (in named_buffers, not in state_dict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(6, 3)
+        self.register_buffer("position_ids", torch.arange(6)[None], persistent=False)
+
+    def forward(self, x):
+        return self.emb(self.position_ids[:, : x.shape[1]]) + x
+
+
+def test_non_persistent_buffers_are_left_out_as_torch_leaves_them(world1):
+    model = _WithPositions()
+    apply, params, buffers = pardist.functional(model)
+    assert "position_ids" in buffers  # apply needs it
+    out = pardist.state_dict(params, buffers, model)
+    assert list(out) == list(model.state_dict())  # ['emb.weight']
+    fresh = _WithPositions()
+    fresh.load_state_dict(out, strict=True)
+    assert torch.equal(fresh.emb.weight, params["emb.weight"])
+
+
+def test_the_wrong_module_is_named_as_such(world1):
+    apply, params, buffers = pardist.functional(_WithPositions())
+    other = nn.Module()
+    other.emb = nn.Embedding(6, 3)  # the same weights, but no position_ids of its own
+    with pytest.raises(KeyError, match=r"\['position_ids'\] are not keys.*module the params came"):
+        pardist.state_dict(params, buffers, other)

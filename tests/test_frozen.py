@@ -96,3 +96,71 @@ def test_functional_keeps_frozen_parameters_with_the_buffers():
     out, new_buffers = apply(params, buffers, x)
     torch.testing.assert_close(out, net(x), rtol=0, atol=0)
     assert set(new_buffers) == set(buffers)
+
+
+def backbone_model() -> nn.Module:
+    """A frozen batch-norm backbone in eval mode (its statistics kept) and a trained head."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh()), nn.Linear(16, 4)
+    )
+    net[0][1].running_mean.uniform_(-1, 1)  # statistics as if pretrained: not 0 and 1
+    net[0][1].running_var.uniform_(0.5, 2)
+    net[0].requires_grad_(False).eval()
+    return net.double()  # float64: the ranks' sums in another order differ by ~1e-16
+
+
+def train_with_eval_backbone() -> tuple[dict, dict]:
+    net = backbone_model()
+    apply, params, buffers = pardist.functional(net)
+    opt = optim.sgd(0.1, momentum=0.9)
+    state = opt.init(params)
+
+    def loss(p, b, x, y):
+        out, b = apply(p, b, x)
+        return F.cross_entropy(out, y), b
+
+    @pardist.data_parallel
+    def step(p, s, b, xy):
+        g, b = pardist.grad(loss, has_aux=True)(p, b, *xy)
+        p, s = opt.update(g, s, p)
+        return p, s, b
+
+    rank, world = pardist.rank(), pardist.world_size()
+    for s in range(STEPS):
+        x, y = batch(s)
+        x = x.double()
+        params, state, buffers = step(
+            params, state, buffers, (x.chunk(world)[rank], y.chunk(world)[rank])
+        )
+        apply(params, buffers, x, train=False)  # an evaluation between steps
+    return params, buffers
+
+
+def test_a_backbone_in_eval_mode_stays_in_eval_mode(run):
+    # Plain torch: the backbone in eval mode normalises with its running statistics and
+    # keeps them; only the head trains.
+    net = backbone_model()
+    initial = {k: v.clone() for k, v in net.state_dict().items()}
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        F.cross_entropy(net(x.double()), y).backward()
+        opt.step()
+    for params, buffers in run(2, train_with_eval_backbone):
+        for k in ("0.1.running_mean", "0.1.running_var", "0.1.num_batches_tracked", "0.0.weight"):
+            assert torch.equal(buffers[k], initial[k]), k  # never updated, bit for bit
+        for k in ("1.weight", "1.bias"):
+            # float64 sums of 24 rows of terms below 10 in another order: below 1e-13
+            torch.testing.assert_close(params[k], net.state_dict()[k], rtol=0, atol=1e-12)
+
+
+def test_a_model_given_in_eval_mode_trains_every_module():
+    # from_pretrained returns models in eval mode: apply(train=True) trains all of them.
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    apply, params, buffers = pardist.functional(net, device=None)
+    _, trained = apply(params, buffers, torch.randn(6, 3))
+    assert trained["1.num_batches_tracked"] == 1
+    _, evaluated = apply(params, buffers, torch.randn(6, 3), train=False)
+    assert evaluated["1.num_batches_tracked"] == 0

@@ -33,7 +33,13 @@ from torch.distributed.tensor import DTensor
 
 from pardist.compile._plan import AxisInfo, Plan, make_plan
 from pardist.runtime import _context, _tree
-from pardist.runtime._compat import TorchCompileInductorWrapper, dynamo
+from pardist.runtime._compat import (
+    TorchCompileInductorWrapper,
+    checkpoint_op,
+    dynamo,
+    enable_saved_tensors_hooks,
+    saved_tensors_hooks_enabled,
+)
 from pardist.runtime._context import StepContext
 
 __all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step", "outer_compile"]
@@ -140,6 +146,7 @@ class _Backend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         self.graphs += 1
         try:
+            _no_checkpoints(gm)
             compiled, problem = self.inner(gm, example_inputs), None
         except dynamo.exc.RestartAnalysis:
             raise  # dynamo traces again and calls back: nothing to agree on yet
@@ -152,6 +159,21 @@ class _Backend:
         if problem:
             raise error
         return compiled
+
+
+def _no_checkpoints(gm: torch.fx.GraphModule) -> None:
+    """Refuse a graph holding activation checkpoints, saying how to compile it instead.
+
+    The whole-step graph differentiates with torch.func, which cannot run the saved-
+    tensor hooks a checkpoint is made of (dynamo records one as ``checkpoint_op``)."""
+    if checkpoint_op is not None and any(n.target is checkpoint_op for n in gm.graph.nodes):
+        raise RuntimeError(
+            "the model checkpoints activations (torch.utils.checkpoint, Hugging Face's "
+            "gradient checkpointing, pardist.remat), which the whole-step graph cannot "
+            "hold: it differentiates with torch.func, which runs no saved-tensor hooks. "
+            "To compile a model that checkpoints, compile its loss in an eager step: "
+            "pardist.grad(torch.compile(loss_fn))"
+        )
 
 
 def agree(problem: str | None) -> str:
@@ -223,6 +245,7 @@ class CompiledStep:
             _warn(step.where, self.fallback)
             return EAGER
         self.backend.agreeing, self.backend.verdict = first, None
+        hooks = saved_tensors_hooks_enabled()
         try:
             if not first:
                 return self.compiled(step.fn, self.plans[key], args, kwargs)
@@ -231,6 +254,8 @@ class CompiledStep:
             with dynamo.config.patch(specialize_float=True):
                 return self.compiled(step.fn, self.plans[key], args, kwargs)
         except Exception as e:
+            if hooks and not saved_tensors_hooks_enabled():  # left off by torch.func: back on
+                enable_saved_tensors_hooks()
             if not first:
                 if not any(k in type(e).__name__ for k in ("RecompileLimit", "CacheLimit")):
                     raise

@@ -32,7 +32,7 @@ from pardist.sharding import _fsdp
 from pardist.transport._reducer import Reducer
 from pardist.transport._scatter import signature
 
-__all__ = ["Call", "compute", "split_value"]
+__all__ = ["Call", "compute", "compute_local", "split_value"]
 
 
 class Call:
@@ -299,6 +299,37 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
                 g = g * factor  # out of place: shared-memory buckets are every rank's
             grads[i] = _reduction.Scatter.as_shard(g, t, ctx) if reduction.scatter else g
     return value, call.aux(auxes), _vma.typed_like(grads, leaves)
+
+
+def compute_local(call: Call, leaves: list) -> tuple[torch.Tensor, Any, list]:
+    """(value, aux, flat gradients) outside a step and outside any torch.func transform.
+
+    torch.func.grad's numbers by autograd's own backward, which, unlike torch.func,
+    runs saved-tensor hooks: activation checkpointing recomputes here.
+    """
+    k = call.accumulate
+    local: list = [None] * len(leaves)
+    parts: list = [[None] * k for _ in leaves]
+    values, auxes = [], []
+    for j, margs, mleaves in call.micro_batches():
+        inputs = [t.detach().requires_grad_() for n in call.nums for t in mleaves[n]]
+        with torch.enable_grad():
+            out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
+        value, aux = split_value(out, call.has_aux, call.where)
+        values.append(value.detach())
+        got = [None] * len(inputs)
+        if value.requires_grad:
+            got = torch.autograd.grad(value, inputs, allow_unused=True)
+        for i, g in enumerate(got):
+            if g is not None and call.split[i] and k > 1:
+                parts[i][j] = g
+            elif g is not None:
+                local[i] = g if local[i] is None else local[i] + g
+        aux = _detached(aux)
+        call.took(j, aux)
+        auxes.append(aux)
+    value = values[0] if k == 1 else torch.stack(values).mean()
+    return value, call.aux(auxes), call.combine(local, parts, leaves)
 
 
 def _detached(aux: Any) -> Any:

@@ -11,7 +11,9 @@ to a bucketed :class:`~pardist.transport._reducer.Reducer` the moment autograd p
 backward. Nested in another transform, each gradient is averaged by a
 differentiable collective.
 
-Outside a step both functions are exactly torch.func's.
+Outside a step both functions give torch.func's numbers; where no other transform is
+running, by autograd's backward, which (unlike torch.func's) runs saved-tensor hooks, so
+that activation checkpointing works there too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pardist.gradients import (
     _deterministic,
     _microbatch,
     _perrank,
+    _tokens,
     _traced_grad,
 )
 from pardist.gradients._bucketed import Call
@@ -44,7 +47,7 @@ from pardist.runtime._layout import laid_out_like
 
 __all__ = ["grad", "value_and_grad"]
 
-_MEANS = ("ranks", "rows")
+_MEANS = ("ranks", "rows", "tokens")
 _requires_grad = operator.attrgetter("requires_grad")
 _is_floating = torch.Tensor.is_floating_point
 
@@ -97,7 +100,9 @@ def _check_options(accumulate: int, mean: str, where: str) -> None:
     if mean not in _MEANS:
         raise ValueError(
             f"{where}: mean={mean!r}; use 'ranks' (each rank's gradient counts equally, as "
-            "in DDP) or 'rows' (each row of the global batch counts equally)."
+            "in DDP), 'rows' (each row of the global batch counts equally) or 'tokens' (f "
+            "returns (sum of per-token losses, count): each token of the global batch counts "
+            "equally)."
         )
 
 
@@ -123,11 +128,36 @@ def _in_transform(leaves: list[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(map(_requires_grad, leaves))
 
 
+def _nested(args: tuple, argnums) -> bool:
+    """Outside a step: inside another torch.func transform or an outer autograd graph,
+    where torch.func.grad runs as it is (else autograd's backward does, see compute_local)."""
+    if functorch.peek_interpreter_stack() is not None:
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    try:
+        chosen = [args[n] for n in nums]
+    except (IndexError, TypeError):
+        return True  # torch.func names the bad argnums
+    return any(t.requires_grad for t in _tree.tree_leaves(chosen) if isinstance(t, torch.Tensor))
+
+
 def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kwargs, where: str):
     """(value, aux, grads like args[argnums]); inside a step the value is the global loss."""
     nums = _argnums_tuple(argnums, len(args), where)
     ctx = current_step()
     k, mean = options["accumulate"], options["mean"]
+    counts = None
+    if mean == "tokens":  # the paths differentiate the sums; _tokens divides by the count
+        if ctx is not None and (ctx.deterministic or ctx.plan is not None):
+            raise NotImplementedError(
+                f"{where}: mean='tokens' is not supported in the deterministic mode or a "
+                "compiled step yet; use compile=False and deterministic=None, or return "
+                "a mean with mean='ranks'."
+            )
+        f, counts = _tokens.counted(f, has_aux, where)
+        mean = "ranks"
     weighted = mean == "rows" and ctx is not None and ctx.size > 1
     groups = ctx.deterministic if ctx is not None else 0
     flat = [_tree.tree_flatten(a) for a in args]
@@ -186,10 +216,14 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
         value, aux, grads = _deterministic.compute(call, ctx, leaves)
     elif ctx is not None and ctx.plan is not None:  # inside data_parallel(compile=True)
         value, aux, grads = _traced_grad.compute(call, ctx, leaves)
+    elif ctx is None and not _in_transform(leaves):  # autograd: checkpoints recompute
+        value, aux, grads = _bucketed.compute_local(call, leaves)
     elif ctx is None or _in_transform(leaves):
         value, aux, grads = _compute_functorch(call, ctx, leaves)
     else:
         value, aux, grads = _bucketed.compute(call, ctx, leaves)
+    if counts is not None:
+        value, grads = _tokens.weigh(value, grads, leaves, call, ctx, counts)
     return value, aux, _regroup(grads, [flat[n] for n in nums])
 
 
@@ -313,7 +347,13 @@ def grad(
             shards of unequal size give the gradient of the mean loss over the
             whole global batch, for a loss that is a mean over rows. With equal
             shards both give the same bits. The row counts ride in the gradient
-            buckets; the first call agrees on the total once.
+            buckets; the first call agrees on the total once. ``'tokens'``: ``f``
+            returns ``(sum of its per-token losses, number of tokens)`` and the
+            gradient is that of the sums over every rank and micro-batch divided by
+            their global count (padding that differs per rank and micro-batch
+            weighs nothing), as one process on the whole batch with
+            ``ignore_index``; one small all-reduce adds the counts. A rank without
+            tokens adds nothing; a step without any is an error.
 
     Raises:
         FloatingPointError: under ``PARDIST_DEBUG=1``, when the loss is not finite
@@ -341,7 +381,12 @@ def grad(
 
     @functools.wraps(f)
     def grad_f(*args, **kwargs):
-        if current_step() is None and accumulate == 1:
+        if (
+            current_step() is None
+            and accumulate == 1
+            and mean != "tokens"
+            and _nested(args, argnums)
+        ):
             out = torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
             if has_aux:
                 return _laid_out_like_args(out[0], args, argnums), out[1]
@@ -385,7 +430,12 @@ def value_and_grad(
 
     @functools.wraps(f)
     def value_and_grad_f(*args, **kwargs):
-        if current_step() is None and accumulate == 1:
+        if (
+            current_step() is None
+            and accumulate == 1
+            and mean != "tokens"
+            and _nested(args, argnums)
+        ):
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
             return out, _laid_out_like_args(grads, args, argnums)
         value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)

@@ -15,6 +15,7 @@ touches CUDA in the parent, and a parent that did is refused with the fix.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -152,6 +153,23 @@ def _stop(procs: list, conns: list, wait: float = 3.0) -> None:
     _segments.clean_stale()  # left by a worker killed while setting one up
 
 
+@contextlib.contextmanager
+def _hash_seed(seed: int | None):
+    """``PYTHONHASHSEED=seed`` in this process's environment while a worker starts."""
+    if seed is None:
+        yield
+        return
+    before = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = before
+
+
 class Workers:
     """``nprocs`` local processes with a process group, running functions on request.
 
@@ -161,6 +179,9 @@ class Workers:
             'forkserver' or 'spawn' (these two need ``__main__`` to be a file).
         env: extra environment variables for the workers.
         timeout: seconds to wait for each call before the group is killed.
+        hash_seeds: one ``PYTHONHASHSEED`` per rank ('spawn' only: a forked process
+            keeps its parent's), so that the ranks order sets differently, as
+            torchrun's ranks do (each is a fresh interpreter with its own seed).
     """
 
     def __init__(
@@ -170,10 +191,16 @@ class Workers:
         start_method: str | None = None,
         env: dict[str, str] | None = None,
         timeout: float = 300.0,
+        hash_seeds: list[int] | None = None,
     ):
         if not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"pardist.spawn: nprocs={nprocs!r}; give at least 1 process.")
         method = _start_method(start_method)
+        if hash_seeds is not None and (method != "spawn" or len(hash_seeds) != nprocs):
+            raise ValueError(
+                f"pardist.spawn: hash_seeds={hash_seeds!r} needs start_method='spawn' (a "
+                f"forked process keeps its parent's hash seed) and one seed per rank ({nprocs})."
+            )
         _check_cuda_untouched(method)
         self.nprocs, self.timeout = nprocs, timeout
         ctx = multiprocessing.get_context(method)
@@ -188,7 +215,8 @@ class Workers:
                 name=f"pardist-rank{rank}",
                 args=(rank, nprocs, child, dict(env or {}), threads),
             )
-            proc.start()
+            with _hash_seed(None if hash_seeds is None else hash_seeds[rank]):
+                proc.start()  # (a spawned interpreter reads its seed from the environment)
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)

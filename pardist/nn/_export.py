@@ -32,8 +32,9 @@ def state_dict(
             gathered (every rank must call this) and given their original shapes.
         module: the module they came from (any copy, even on the meta device): the
             keys are then its own, in its order, with tied weights (GPT-2's
-            ``lm_head.weight``) under every name the module has for them; a key the
-            module has and the params lack raises.
+            ``lm_head.weight``) under every name the module has for them, and without
+            its non-persistent buffers (BERT's ``position_ids``), as its own
+            ``state_dict`` has them; a key the module has and the params lack raises.
         rank0_only: return the tensors on rank 0 and ``{}`` elsewhere (the gather still
             runs on every rank).
 
@@ -95,7 +96,10 @@ def _keyed_like(out: dict, module: nn.Module, where: str) -> dict:
                 "this module."
             )
         keyed[key] = out[have]
-    extra = sorted(set(out) - set(keyed))
+    # Non-persistent buffers (BERT's position_ids) are the module's, but not in its
+    # state_dict: left out, as torch's own state_dict leaves them.
+    transient = {name for name, _ in module.named_buffers(remove_duplicate=False)} - set(theirs)
+    extra = sorted(set(out) - set(keyed) - transient)
     if extra:
         raise KeyError(
             f"{where}: {extra[:5]} are not keys of the module's state_dict; pass the module "

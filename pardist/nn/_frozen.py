@@ -17,10 +17,15 @@ __all__ = ["split"]
 
 
 def split(module: nn.Module, params: dict, buffers: dict) -> set[str]:
-    """Move the frozen entries of ``params`` into ``buffers`` (in place); their names."""
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    """Move the frozen entries of ``params`` into ``buffers`` (in place); their names.
+
+    They go in the module's order (``named_parameters``), never a set's: a set's order
+    follows the process's hash seed, which torchrun gives every rank its own, and the
+    ranks would disagree on the layout of ``buffers``.
+    """
+    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
     for name in frozen:
         if name in buffers:  # cannot happen in torch (names are unique); guard anyway
             raise ValueError(f"pardist.functional: {name!r} is both a parameter and a buffer.")
         buffers[name] = params.pop(name)
-    return frozen
+    return set(frozen)

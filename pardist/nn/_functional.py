@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from pardist.collectives import _collectives
-from pardist.nn import _batchnorm, _frozen
+from pardist.nn import _batchnorm, _frozen, _remat
 from pardist.runtime import _lockstep, _placement, _tree
 from pardist.runtime._context import current_step
 from pardist.sharding import _apply, _units
@@ -53,6 +53,7 @@ class _Slots:
             "_parameters": {n for n, _ in skeleton.named_parameters()},
             "_buffers": {n for n, _ in skeleton.named_buffers()},
         }
+        self.frozen_names: frozenset[str] = frozenset()
         self.places: list[tuple[dict, str, str, str, torch.Tensor]] = []
         for kind, named in (
             ("_parameters", skeleton.named_parameters(remove_duplicate=False)),
@@ -74,6 +75,7 @@ class _Slots:
 
     def frozen(self, names: set[str]) -> None:
         """Frozen parameters (``requires_grad=False``) are passed with the buffers."""
+        self.frozen_names = frozenset(names)
         self.kinds["_parameters"] -= names
         self.kinds["_buffers"] |= names
         self.places = [
@@ -82,14 +84,27 @@ class _Slots:
         ]
         self._columns()
 
-    def _installed(self) -> list:
+    def installed(self) -> list:
+        """What the slots hold now, for :meth:`install`."""
         return [table[attr] for table, attr, *_ in self.places]
 
-    def _install(self, tensors: list) -> None:
+    def install(self, tensors: list) -> None:
         for (table, attr, *_), t in zip(self.places, tensors):
             table[attr] = t
 
-    def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict) -> Any:
+    def put(self, params: dict, buffers: dict) -> None:
+        """The given tensors into their slots (tied names share one)."""
+        (p_tables, p_attrs, p_names, _) = self.columns["_parameters"]
+        (b_tables, b_attrs, b_names, _) = self.columns["_buffers"]
+        _put(p_tables, p_attrs, map(params.__getitem__, p_names))
+        _put(b_tables, b_attrs, map(buffers.__getitem__, b_names))
+
+    def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict, enter) -> Any:
+        """The skeleton run on ``params`` and ``buffers`` (updated with replaced buffers).
+
+        ``enter()`` gives the contexts the forward runs in, which a recomputation of a
+        checkpointed block (``_remat``) enters again.
+        """
         for kind, given in (("_parameters", params), ("_buffers", buffers)):
             if given.keys() != self.kinds[kind]:
                 missing = sorted(self.kinds[kind] - given.keys())
@@ -100,14 +115,18 @@ class _Slots:
                     + (f"; unexpected {extra}" if extra else "")
                     + ". Pass the dicts that pardist.functional returned (or updates of them)."
                 )
-        (p_tables, p_attrs, p_names, p_metas) = self.columns["_parameters"]
+        (p_tables, p_attrs, _, p_metas) = self.columns["_parameters"]
         (b_tables, b_attrs, b_names, b_metas) = self.columns["_buffers"]
+        calls = _remat.calls()
         try:
-            _put(p_tables, p_attrs, map(params.__getitem__, p_names))
-            _put(b_tables, b_attrs, map(buffers.__getitem__, b_names))
-            # The deterministic mode's row groups share the skeleton: each keeps its own.
-            with _lockstep.switching(self._installed, self._install):
-                out = self.skeleton(*inputs, **kwargs)
+            self.put(params, buffers)
+            calls.append((self, params, buffers, enter))
+            try:
+                # The deterministic mode's row groups share the skeleton: each keeps its own.
+                with _lockstep.switching(self.installed, self.install):
+                    out = self.skeleton(*inputs, **kwargs)
+            finally:
+                calls.pop()
             # A module may have replaced a buffer: keep its new one.
             buffers.update(zip(b_names, [table[attr] for table, attr in zip(b_tables, b_attrs)]))
         finally:
@@ -127,7 +146,12 @@ def _put(tables: list, attrs: list, values) -> None:
 
 
 def functional(
-    module: nn.Module, *, sync_bn: bool = True, fsdp_units: Any = "auto", device: Any = "auto"
+    module: nn.Module,
+    *,
+    sync_bn: bool = True,
+    fsdp_units: Any = "auto",
+    device: Any = "auto",
+    remat: Any = None,
 ) -> tuple[Callable, dict, dict]:
     """Split ``module`` into a pure ``apply`` function and dicts of its tensors.
 
@@ -153,6 +177,19 @@ def functional(
             on the CPU on :func:`pardist.device` (the local GPU, else the CPU, so
             the same script runs on both); a device moves all of them there;
             None leaves them on the module's device.
+        remat: activation checkpointing of the model's blocks (JAX's remat): None (the
+            module as it is; checkpoints the module makes itself, torch's or Hugging
+            Face's, work either way); a policy name, ``'nothing_saveable'`` (recompute
+            everything in the backward) or ``'dots_saveable'`` (keep the outputs of
+            matrix products), for every block; or :class:`pardist.Remat` to choose the
+            blocks (``every=2``: every other one). Blocks are found as ``'auto'``: the
+            longest list of alike modules (transformer layers).
+
+    Modes: ``apply(..., train=True)`` runs every submodule in the mode the module had
+    when it was given here, so a backbone put in ``eval()`` (its batch norm using and
+    keeping its running statistics) stays so while the rest trains; a module given
+    wholly in eval mode (``from_pretrained`` returns it so) trains every submodule.
+    ``train=False`` runs every submodule in eval mode.
 
     Returns:
         ``(apply, params, buffers)``: detached copies of the parameters and
@@ -178,8 +215,17 @@ def functional(
     skeleton = _meta_skeleton(module)
     where = f"pardist.functional({type(module).__name__})"
     _batchnorm.prepare(skeleton, where)
+    _remat.remat_blocks(
+        skeleton,
+        remat,
+        lambda sk, names, at: _units.named_modules(sk, names, at, "remat blocks"),
+        where,
+    )
     slots = _Slots(skeleton)
     slots.frozen(frozen)
+    # The modules apply(train=True) trains: those the user left in training mode; all of
+    # them where the whole model was given in eval mode (from_pretrained returns it so).
+    trained = [m for m in skeleton.modules() if m.training or not skeleton.training]
     mode = {"train": skeleton.training}
     seen_norms: dict = {}  # whether the model calls batch norm at all (see synchronised)
     units = _units.check_policy(fsdp_units)
@@ -187,17 +233,23 @@ def functional(
 
     def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
         if mode["train"] != train:
-            skeleton.train(train)
+            for m in trained:  # the user's modes: a submodule in eval stays in eval
+                m.training = train
             mode["train"] = train
         new_buffers = {name: b if name in frozen else b.clone() for name, b in buffers.items()}
-        # Batch statistics over the step's axis, for every batch norm (see _batchnorm).
-        with _batchnorm.synchronised(
-            skeleton if sync_bn else None, train and sync_bn, where, seen_norms
-        ):
+
+        # Batch statistics over the step's axis, for every batch norm (see _batchnorm);
+        # a checkpointed block's recomputation enters them again (see _remat).
+        def enter():
+            return _batchnorm.synchronised(
+                skeleton if sync_bn else None, train and sync_bn, where, seen_norms
+            )
+
+        with enter():
             if _apply.has_shards(params):  # pardist.fsdp: each unit gathered as it runs
-                out = fsdp.call(params, new_buffers, inputs, kwargs)
+                out = fsdp.call(params, new_buffers, inputs, kwargs, enter)
             else:
-                out = slots.call(params, new_buffers, inputs, kwargs)
+                out = slots.call(params, new_buffers, inputs, kwargs, enter)
         ctx = current_step()
         if train and not sync_bn and ctx is not None and ctx.deterministic:
             if _batchnorm._has_norm_modules(skeleton):

@@ -18,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from pardist.collectives import _fold
-from pardist.nn import _bnmath
+from pardist.nn import _bnmath, _remat
 from pardist.runtime import _lockstep
 from pardist.runtime._context import current_step
 
@@ -28,6 +28,13 @@ __all__ = ["batch_norm"]
 def batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, where) -> torch.Tensor:
     """``F.batch_norm(..., training=True)`` for this thread's row group, over every group."""
     at = _lockstep.current()
+    if at is None and _remat.recomputing():
+        raise RuntimeError(
+            f"{where()}: a batch norm inside a checkpointed block cannot be recomputed in "
+            "the deterministic mode: its statistics join all the row groups, and the "
+            "backward recomputes one group at a time. Checkpoint only blocks without "
+            "batch norm (pardist.Remat(blocks=...)), or train without deterministic=."
+        )
     if at is None:
         raise RuntimeError(
             f"{where()}: in a deterministic step, batch norm trains only inside "

@@ -34,6 +34,7 @@ _check_version(torch.__version__)
 import torch._dynamo as dynamo  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
 from torch._C import DisableTorchFunctionSubclass  # noqa: E402
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "DisableTorchFunctionSubclass",
     "TorchCompileInductorWrapper",
     "assert_async",
+    "checkpoint_op",
     "dtensor_local",
     "dtensor_spec",
     "dynamo",
@@ -55,6 +57,9 @@ __all__ = [
     "matches_machine_hostname",
     "pytree",
     "pytree_children",
+    "reroute_checkpoints",
+    "enable_saved_tensors_hooks",
+    "saved_tensors_hooks_enabled",
     "storage_holders",
     "torchrun_parser",
 ]
@@ -223,3 +228,62 @@ def tensor_guard(tensors: list[torch.Tensor]):
         return guard if guard.check(*tensors) else None
     except (TypeError, RuntimeError):  # another torch's signature: no guard
         return None
+
+
+# torch.utils.checkpoint's two implementations, as ``checkpoint()`` looks them up by their
+# module-global names on every call (since 2.1): ``_checkpoint_without_reentrant_generator``
+# takes the function whose second run is the recomputation (``checkpoint()`` itself runs
+# the first); ``CheckpointFunction`` is the reentrant autograd Function. Both are kept as
+# they are; ``reroute_checkpoints`` only puts a front on each.
+_ckpt = torch.utils.checkpoint
+_without_reentrant = _ckpt._checkpoint_without_reentrant_generator
+_Reentrant = _ckpt.CheckpointFunction
+
+
+def reroute_checkpoints(lookup) -> None:
+    """Give torch.utils.checkpoint's recomputations to ``lookup()`` where it has a say.
+
+    ``lookup()`` returns None (torch as it is) or ``wrap``: a recomputation then runs
+    ``wrap(fn)`` instead of ``fn``, and ``use_reentrant=True`` runs as
+    ``use_reentrant=False`` (the same recomputation, which autograd.grad and nested
+    checkpoints can run; the reentrant one gives no gradient to parameters when no
+    input requires one). Idempotent: the fronts ask ``lookup`` on every call, and pass
+    straight through where it says None, so checkpoints outside pardist are untouched.
+    """
+    if getattr(_ckpt._checkpoint_without_reentrant_generator, "pardist_lookup", None):
+        return
+
+    def generator(fn, *args, **kwargs):
+        wrap = lookup()
+        return _without_reentrant(fn if wrap is None else wrap(fn), *args, **kwargs)
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, preserve_rng_state, *args):
+            if lookup() is None:
+                return _Reentrant.apply(function, preserve_rng_state, *args)
+            return _ckpt.checkpoint(
+                function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state
+            )
+
+    generator.pardist_lookup = lookup
+    _ckpt._checkpoint_without_reentrant_generator = generator
+    _ckpt.CheckpointFunction = Reentrant
+
+
+# torch._C._autograd._saved_tensors_hooks_is_enabled / _saved_tensors_hooks_enable: torch.func
+# disables saved-tensor hooks while its grad transform runs; when dynamo graph-breaks inside
+# a traced torch.func.grad and the eager remainder raises, they stay disabled (torch 2.11 to
+# 2.15), and every later checkpoint in the process fails. A compiled step that falls back
+# to eager puts them back as they were. Since 2.0.
+def saved_tensors_hooks_enabled() -> bool:
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
+
+def enable_saved_tensors_hooks() -> None:
+    torch._C._autograd._saved_tensors_hooks_enable()
+
+
+# torch.ops.higher_order.tag_activation_checkpoint: what dynamo records for a
+# torch.utils.checkpoint call in a graph (since 2.1); None where this torch has none.
+checkpoint_op = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)

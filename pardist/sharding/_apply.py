@@ -18,6 +18,9 @@ unit's gather is started while the current one computes, forward and backward.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -184,13 +187,60 @@ class _Run:
         return pytree.tree_map(lambda x: x.clone() if self.owner(x) is not None else x, out)
 
 
+class _Regather:
+    """A recomputation's gathers (activation checkpointing, ``nn._remat``).
+
+    Each unit is gathered again as its module runs (or on the spot), into tensors of
+    its own: the recomputed activations keep them until the backward is done with
+    them, so the collective's buffers are released at once. The recomputation's own
+    graph is thrown away; the gradients go through the forward's gathers.
+    """
+
+    def __init__(self, plan: Plan, shards: dict):
+        self.plan, self.shards = plan, shards
+        self.held: dict[int, list] = {}
+        self.depth: dict[int, int] = {}
+
+    def full(self, unit: Unit) -> list:
+        if unit.index not in self.held:
+            shards = [self.shards[n] for n in unit.params]
+            g = Gathered(self.plan, unit, shards)
+            # As the forward's gathers gave them (differentiable where the shards are), so
+            # that the recomputation saves the same tensors as the forward did.
+            self.held[unit.index] = [
+                t.clone().requires_grad_(s.requires_grad) for t, s in zip(g.ensure(), shards)
+            ]
+            g.release()
+        return self.held[unit.index]
+
+    def install(self, unit: Unit, tensors) -> None:
+        for name, t in zip(unit.params, tensors):
+            for table, attr in self.plan.places[name]:
+                table[attr] = t
+
+    def enter(self, unit: Unit) -> None:
+        self.depth[unit.index] = self.depth.get(unit.index, 0) + 1
+        self.install(unit, self.full(unit))
+
+    def exit(self, unit: Unit, output) -> None:
+        depth = self.depth.pop(unit.index, 0) - 1
+        if depth > 0:
+            self.depth[unit.index] = depth
+            return
+        self.install(unit, [self.plan.absent[n] for n in unit.params])
+        self.held.pop(unit.index, None)
+
+    def borrow(self, index: int) -> list:
+        return self.full(self.plan.units[index])
+
+
 class Runner:
     """FSDP for one functional model: plans per kind of call, hooks on its skeleton."""
 
     def __init__(self, skeleton: nn.Module, slots, policy, where: str):
         self.skeleton, self.slots, self.policy, self.where = skeleton, slots, policy, where
         self.plans: dict = {}
-        self.run: _Run | None = None
+        self.run: _Run | _Regather | None = None
         self._hooked: set[int] = set()
 
     def hook(self, module: nn.Module) -> None:
@@ -212,7 +262,20 @@ class Runner:
         if unit is not None:
             self.run.exit(unit, output)
 
-    def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict):
+    @contextlib.contextmanager
+    def _rerun(self, plan: Plan, shards: dict, enter):
+        """The contexts a recomputation of this call runs in: its units gathered again."""
+        outer, self.run = self.run, _Regather(plan, shards)
+        try:
+            root = plan.units[0]
+            if root.params:
+                self.run.install(root, self.run.full(root))
+            with enter():
+                yield
+        finally:
+            self.run = outer
+
+    def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict, enter):
         ctx = current_step()
         shards = {k: v for k, v in params.items() if isinstance(_unwrapped(v), DTensor)}
         if ctx is None:
@@ -258,7 +321,8 @@ class Runner:
                     given.update(zip(root.params, outs))
                 for unit in plan.units[1:]:
                     given.update((n, plan.absent[n]) for n in unit.params)
-                out = self.slots.call(given, buffers, inputs, kwargs)
+                rerun = functools.partial(self._rerun, plan, shards, enter)
+                out = self.slots.call(given, buffers, inputs, kwargs, rerun)
             out = run.detach_views(out)
             ok = True
         finally:

@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Unit", "choose"]
+__all__ = ["Unit", "choose", "named_modules"]
 
 
 @dataclasses.dataclass
@@ -36,8 +36,10 @@ class Unit:
     params: list[str]  # parameter names (functional's keys)
 
 
-def _selected(skeleton: nn.Module, numel: dict[str, int], policy: Any, where: str) -> set[int]:
-    """ids of the modules chosen as units (the root is always one)."""
+def _selected(
+    skeleton: nn.Module, numel: dict[str, int], policy: Any, where: str, option: str = "fsdp_units"
+) -> set[int]:
+    """ids of the modules chosen as units (the root is always one), or as ``option``'s."""
     modules = dict(skeleton.named_modules())
     if policy is None:
         return set()
@@ -54,7 +56,7 @@ def _selected(skeleton: nn.Module, numel: dict[str, int], policy: Any, where: st
             if item not in modules:
                 known = [n for n in modules if n][:12]
                 raise ValueError(
-                    f"{where}: fsdp_units names {item!r}, which is not a submodule; "
+                    f"{where}: {option} names {item!r}, which is not a submodule; "
                     f"submodules include {known}. Give module paths as in "
                     "named_modules(), module classes, or a function (path, module) -> bool."
                 )
@@ -62,7 +64,7 @@ def _selected(skeleton: nn.Module, numel: dict[str, int], policy: Any, where: st
                 chosen.add(id(modules[item]))
         else:
             raise TypeError(
-                f"{where}: fsdp_units must be 'auto', None, module paths, module classes "
+                f"{where}: {option} must be 'auto', None, module paths, module classes "
                 f"or a function (path, module) -> bool; got {item!r}."
             )
     return chosen
@@ -95,6 +97,12 @@ def _auto(skeleton: nn.Module, numel: dict[str, int]) -> set[int]:
 
     visit("", skeleton)
     return chosen
+
+
+def named_modules(skeleton: nn.Module, names: Any, where: str, option: str) -> set[int]:
+    """ids of the submodules that ``names`` gives: module paths, module classes, or a
+    function ``(path, module) -> bool`` (as for fsdp_units, other than 'auto')."""
+    return _selected(skeleton, {}, names, where, option)
 
 
 def choose(
