@@ -51,3 +51,18 @@ def test_text_model_beats_the_unigram_baseline(launcher, tmp_path):
     assert found, out
     bits, unigram = map(float, found.groups())
     assert bits < unigram - 0.5, out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_finetuning_improves_the_held_out_lines_and_keeps_fewer_activations(launcher, tmp_path):
+    args = ("--bytes", "100000", "--pretrain-steps", "60", "--steps", "40")
+    out = _run("finetune.py", launcher, *args, cwd=tmp_path)
+    found = re.search(
+        r"held-out comment lines: ([0-9.]+) bits/byte \(before fine-tuning: ([0-9.]+)", out
+    )
+    assert found, out
+    after, before = map(float, found.groups())
+    assert after < before - 0.2, out
+    kept = re.search(r"recomputed, [0-9.]+ MiB without \(([0-9]+)%\)", out)
+    assert kept and int(kept.group(1)) <= 30, out

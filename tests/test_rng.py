@@ -96,3 +96,110 @@ def test_a_compiled_step_draws_per_rank_and_step(run):
     (masks, replay), _ = run(2, _compiled_masks)
     assert not torch.equal(masks[0][:2], masks[0][2:])  # rank 0's rows and rank 1's
     assert not torch.equal(masks[0], masks[1]) and torch.equal(replay, masks[1])
+
+
+def _seeded_twice():
+    pardist.seed_everything(1)
+    first = _draws(2)
+    pardist.seed_everything(1)  # no set_rng_count: seeding alone restarts the streams
+    return first, _draws(2)
+
+
+def _draws(steps: int) -> list:
+    """Per step: torch's dropout mask, NumPy's and Python's draws inside the step."""
+    import random
+
+    import numpy as np
+
+    out = []
+
+    @pardist.data_parallel
+    def step(w, x):
+        out.append((F.dropout(torch.ones(32), 0.5) != 0, np.random.rand(4), random.random()))
+        return pardist.pmean((x * w).sum(), "gpu")
+
+    rank, world = pardist.rank(), pardist.world_size()
+    for _ in range(steps):
+        step(torch.ones(3), torch.ones(2 * world, 3).chunk(world)[rank])
+    return out
+
+
+def _same(a, b) -> bool:
+    import numpy as np
+
+    return torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+def test_seeding_again_replays_every_stream_of_a_step(run):
+    for first, second in run(2, _seeded_twice):
+        assert all(_same(x, y) for x, y in zip(first, second))
+        assert not _same(first[0], first[1])  # a new draw each step
+
+
+def _numpy_per_rank():
+    import random
+
+    import numpy as np
+
+    pardist.seed_everything(0)
+    draws = _draws(2)
+    after = (np.random.rand(3), random.random())  # outside steps: as if no step had run
+    pardist.seed_everything(0)
+    return draws, after, (np.random.rand(3), random.random())
+
+
+def test_numpy_and_random_are_per_rank_inside_a_step_and_untouched_outside(run):
+    import numpy as np
+
+    (a, after, plain), (b, *_) = run(2, _numpy_per_rank)
+    assert np.array_equal(after[0], plain[0]) and after[1] == plain[1]
+    for s in range(2):
+        assert not np.array_equal(a[s][1], b[s][1]), f"step {s}: NumPy drew alike on both ranks"
+        assert a[s][2] != b[s][2], f"step {s}: random drew alike on both ranks"
+
+
+class SpecAugment(torch.nn.Module):
+    """wav2vec2's time masking: spans chosen per row with NumPy, filled with a learned vector."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(6, 6)
+        self.mask = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x):  # (rows, time, 6)
+        import numpy as np
+
+        rows, time, _ = x.shape
+        hide = torch.zeros(rows, time, dtype=torch.bool)
+        for r in range(rows):  # as transformers' _compute_mask_indices: np.random per row
+            start = np.random.choice(time - 3, 2, replace=False)
+            for s in start:
+                hide[r, s : s + 3] = True
+        return self.proj(torch.where(hide[..., None], self.mask, x)).pow(2).mean()
+
+
+def _spec_augment(deterministic):
+    pardist.seed_everything(0)
+    apply, params, buffers = pardist.functional(SpecAugment())
+    x = torch.randn(8, 12, 6, generator=torch.Generator().manual_seed(2))
+    rank, world = pardist.rank(), pardist.world_size()
+
+    @pardist.data_parallel(deterministic=deterministic)
+    def step(p, x):
+        return pardist.grad(lambda p, x: apply(p, buffers, x)[0])(p, x)
+
+    return [step(params, x.chunk(world)[rank]) for _ in range(2)]
+
+
+def test_numpy_masking_is_per_row_group_and_the_same_at_every_world_size(run):
+    # The deterministic mode: each row group draws NumPy's numbers from its own stream,
+    # so the masks (and the gradients) are the same bits at 1 and 2 ranks.
+    one = run(1, _spec_augment, 4)[0]
+    for got in run(2, _spec_augment, 4):
+        for g1, g2 in zip(one, got):
+            assert all(torch.equal(g1[k], g2[k]) for k in g1)
+    # The default mode: the ranks mask differently (were they alike, rank 1's half of the
+    # batch would be masked as rank 0's): the gradients differ from one process's.
+    two = run(2, _spec_augment, None)[0]
+    assert not all(torch.equal(one[0][k], two[0][k]) for k in one[0])

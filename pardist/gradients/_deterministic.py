@@ -120,7 +120,8 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         total = _fold.ordered_sum(local, ctx).div_(groups)
         for i, piece in zip(index, total.split(sizes)):
             out[i] = piece.view(leaves[i].shape)
-    return value, _aux([a for _, a in outs]) if call.has_aux else None, out
+    aux = _aux([a for _, a in outs], call, call.rows // n) if call.has_aux else None
+    return value, aux, out
 
 
 @contextlib.contextmanager
@@ -180,21 +181,53 @@ def _fold_values(values: list, rows: int, ctx: StepContext, groups: int, where: 
     return value / groups
 
 
-def _aux(items: list) -> Any:
-    """The groups' aux as one rank's: equal leaves once, rows joined, scalars stacked."""
+def _aux(items: list, call: Call, rows: int) -> Any:
+    """The row groups' aux as one rank's, by layout, never by value.
+
+    A leaf at the path of a leaf of a replicated argument, with its shape and dtype (the
+    batch-norm buffers that apply returns) is that argument's next value: the groups
+    computed it together, and group 0's is it (groups that differ are an error). A leaf
+    with the group's rows along dim 0 is per row: the groups' are joined. Any other
+    (a per-group scalar) is stacked along a new dim 0, one entry per group.
+    """
     if len(items) == 1:
         return items[0]
-    flat = [_tree.tree_flatten(a)[0] for a in items]
+    state = {}  # path -> (shape, dtype) of the replicated arguments' leaves
+    for i, arg in enumerate(call.args):
+        if i not in call.nums and not call.masks[i]:
+            for path, t in _tree.leaves_with_paths(arg):
+                if isinstance(t, torch.Tensor):
+                    state[path] = (t.shape, t.dtype)
+    named = [_tree.leaves_with_paths(a) for a in items]
     treedef = _tree.tree_flatten(items[0])[1]
     leaves = []
-    for column in zip(*flat):
-        x = column[0]
+    for column in zip(*named):
+        path, x = column[0]
         if not isinstance(x, torch.Tensor):
             leaves.append(x)
-        elif all(c.shape == x.shape and torch.equal(c, x) for c in column[1:]):
+            continue
+        mine = (x.shape, x.dtype)
+        if any(path.endswith(p) and mine == sig for p, sig in state.items()):
+            _check_alike(path, [c for _, c in column], call.where)
             leaves.append(x)
-        elif x.dim() > 0:
-            leaves.append(torch.cat([c.detach() for c in column]))
+        elif x.dim() > 0 and x.shape[0] == rows:
+            leaves.append(torch.cat([c.detach() for _, c in column]))
         else:
-            leaves.append(torch.stack([c.detach() for c in column]))
+            leaves.append(torch.stack([c.detach() for _, c in column]))
     return _tree.tree_unflatten(leaves, treedef)
+
+
+def _check_alike(path: str, column: list, where: str) -> None:
+    """The groups' values of a state leaf are the same, NaN where NaN (a NaN step's)."""
+    x = column[0]
+    for j, c in enumerate(column[1:], 1):
+        same = (c == x) | (c != c) & (x != x) if x.is_floating_point() else c == x
+        if not bool(same.all()):
+            raise ValueError(
+                f"{where}: row groups 0 and {j} returned different values for aux{path}, "
+                "which has the path, shape and dtype of a replicated argument's leaf (its "
+                "next value, as the buffers apply returns): the deterministic mode keeps one "
+                "value for it. A module whose buffers follow each group's own rows cannot "
+                "be made the same at every world size; return such values under another "
+                "name, or train without deterministic=."
+            )

@@ -73,6 +73,10 @@ class CollectiveMismatch(RuntimeError):
     """The ranks of a group called different collectives, or gave one different shapes."""
 
 
+class StepMismatch(CollectiveMismatch):
+    """The ranks are at different calls of one step (one raised inside a call and went on)."""
+
+
 def label_group(group: dist.ProcessGroup, label: str) -> None:
     """Remember that ``group`` serves the mesh axis ``label`` (for error messages)."""
     labels = _labels.setdefault(group.group_name, [])

@@ -21,10 +21,12 @@ import contextlib
 import functools
 import os
 import queue
+import random
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["Lockstep", "current", "switching"]
@@ -107,7 +109,8 @@ def _thread_state() -> Callable[[], list]:
 class Lockstep:
     """``n`` groups run ``fn(j)`` in turn; :meth:`meet` is where they wait for each other.
 
-    ``seeds[j]`` seeds group j's random numbers (CPU and the current CUDA device).
+    ``seeds[j]`` seeds group j's random numbers (torch's on the CPU and the current CUDA
+    device, NumPy's and Python's ``random``).
     """
 
     def __init__(self, n: int, seeds: list[int], where: str):
@@ -124,16 +127,19 @@ class Lockstep:
         self._failed_group = -1
         self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self._rng: list = []
-        self._caller = (
-            torch.default_generator.get_state(),
-            torch.cuda.get_rng_state() if self._cuda else None,
-        )
+        self._caller = self._generators()
         for s in seeds:
             torch.default_generator.manual_seed(s)
-            cpu = torch.default_generator.get_state()
             if self._cuda:
                 torch.cuda.manual_seed(s)
-            self._rng.append((cpu, torch.cuda.get_rng_state() if self._cuda else None))
+            np.random.seed(s % 2**32)
+            random.seed(s)
+            self._rng.append(self._generators())
+
+    def _generators(self) -> tuple:
+        """The global generators' states: torch's (CPU, CUDA), NumPy's, Python's."""
+        cuda = torch.cuda.get_rng_state() if self._cuda else None
+        return torch.default_generator.get_state(), cuda, np.random.get_state(), random.getstate()
 
     # -- the caller's side ---------------------------------------------------------
 
@@ -256,13 +262,14 @@ class Lockstep:
     def _save(self, j: int) -> None:
         for hook in getattr(_local, "hooks", ()):
             hook[2] = hook[0]()
-        cuda = torch.cuda.get_rng_state() if self._cuda else None
-        self._rng[j] = (torch.default_generator.get_state(), cuda)
+        self._rng[j] = self._generators()
 
     def _restore(self, j: int) -> None:
-        cpu, cuda = self._rng[j]
+        cpu, cuda, np_state, py_state = self._rng[j]
         torch.default_generator.set_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
         for hook in getattr(_local, "hooks", ()) if j < self.n else ():
             hook[1](hook[2])

@@ -5,10 +5,12 @@ otherwise give every rank the same dropout mask, so N ranks would not be one
 process on the concatenated batch. As in JAX (``fold_in(key, axis_index)``), a
 step draws from a stream derived from three numbers: the seed
 (``torch.initial_seed()``, what ``seed_everything`` set), the rank's index along
-the step's data axes, and the count of steps run so far in this process. The
-global generators (CPU and the current accelerator) are seeded with it for the
+the step's data axes, and the count of steps run so far in this process
+(``seed_everything`` restarts it). The global generators are seeded with it for the
 step and restored afterwards, so randomness outside steps (augmentation,
-shuffling) is untouched.
+shuffling) is untouched: torch's (CPU and the current accelerator), NumPy's and
+Python's ``random`` (which models draw from too: wav2vec2's SpecAugment masks with
+NumPy).
 
 Reproducible across restarts: save :func:`rng_count` in the checkpoint and give
 it back with :func:`set_rng_count` after loading.
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import random
 import weakref
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 __all__ = ["group_seed", "rank_index", "rng_count", "set_rng_count", "stream"]
@@ -76,6 +80,8 @@ def _seed(value: int, cuda: bool) -> None:
     torch.default_generator.manual_seed(value)
     if cuda:
         torch.cuda.manual_seed(value)  # the current device only
+    np.random.seed(value % 2**32)  # NumPy's legacy seed must fit in 32 bits
+    random.seed(value)
 
 
 def _cuda() -> bool:
@@ -108,6 +114,7 @@ def stream(index: int) -> Iterator[None]:
     cuda = _cuda()
     cpu_state = torch.default_generator.get_state()
     cuda_state = torch.cuda.get_rng_state() if cuda else None
+    np_state, py_state = np.random.get_state(), random.getstate()
     _state["seed"] = torch.initial_seed()
     _seed(derive(_state["seed"], index, _state["count"]), cuda)
     _state["depth"] += 1
@@ -119,3 +126,5 @@ def stream(index: int) -> Iterator[None]:
         torch.default_generator.set_state(cpu_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state)
+        np.random.set_state(np_state)
+        random.setstate(py_state)

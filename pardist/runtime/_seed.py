@@ -18,7 +18,7 @@ import random
 import numpy as np
 import torch
 
-from pardist.runtime import _process
+from pardist.runtime import _process, _rng
 
 __all__ = ["rank_seed", "seed_everything", "seed_worker"]
 
@@ -53,7 +53,9 @@ def seed_everything(seed: int, *, per_rank: bool = False) -> int:
     """Seed Python's ``random``, NumPy and torch (CPU and every accelerator).
 
     Call it with the same seed on every rank before building the model, so that
-    every replica starts from the same parameters. With ``per_rank=True`` each
+    every replica starts from the same parameters. It also restarts the random
+    streams that steps draw from (dropout, and NumPy or ``random`` inside a step), so
+    seeding twice in one process replays the same masks. With ``per_rank=True`` each
     rank gets its own seed (:func:`rank_seed`): call it after building the model
     when augmentation draws from the global generators in the main process.
 
@@ -77,6 +79,7 @@ def seed_everything(seed: int, *, per_rank: bool = False) -> int:
     random.seed(seed)
     np.random.seed(seed % 2**32)  # NumPy's legacy seed must fit in 32 bits
     torch.manual_seed(seed)  # seeds every CUDA device too
+    _rng.set_rng_count(0)  # the streams inside steps start again too: the same masks
     return seed
 
 

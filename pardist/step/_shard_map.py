@@ -33,7 +33,7 @@ from pardist.compile import _step
 from pardist.optim._sharded import ShardedState
 from pardist.runtime import _mesh, _rng, _tree
 from pardist.runtime._context import Ids, StepContext, debug_enabled, entered
-from pardist.step import _devices, _replication, _specs
+from pardist.step import _devices, _handshake, _replication, _specs
 from pardist.step._donation import Consumed
 from pardist.step._specs import P
 from pardist.step._tracker import Tracker
@@ -74,6 +74,9 @@ class Step:
         self.compression, self.overlap, self.bucket_mb = compression, overlap, bucket_mb
         self.reducers: dict = {}
         self.calls = 0
+        self.entered = 0  # calls begun, finished or not (see _handshake)
+        self.key = _handshake.key(self.where, fn)
+        self._groups: dict = {}
         self._specs_cache: dict = {}
         self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
         self.compiled = _step.compiled_step(compile, self.where)
@@ -166,6 +169,17 @@ class Step:
         short = self.where.removeprefix("pardist.")
         mesh = self.mesh or _mesh.current_mesh(short)
         axes = self.data_axes(mesh)
+        self.entered += 1
+        group = self._groups.get((id(mesh), axes), 0)
+        if group == 0:  # the process group over the data axes, where there is one
+            group = mesh.group(axes) if axes and mesh.size(axes) > 1 else None
+            self._groups[(id(mesh), axes)] = group
+        if group is None:
+            return self._call(mesh, axes, args, kwargs)
+        with _handshake.stepping(group, self.key, self.entered, self.where):
+            return self._call(mesh, axes, args, kwargs)
+
+    def _call(self, mesh, axes, args: tuple, kwargs: dict):
         leaves, treedef = _tree.tree_flatten(args)
         specs, sharded, donated_idx, scatter = self._leaf_specs(args, treedef, mesh, axes)
         ids = list(map(id, leaves))  # once: the sets below are of ids

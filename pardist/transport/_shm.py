@@ -25,22 +25,65 @@ import contextlib
 import hashlib
 import os
 import platform
+import re
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults
+from pardist.runtime import _faults, _process
 from pardist.transport import _segments
 from pardist.transport._futex import futex_wait, futex_wake
 
-__all__ = ["SharedMemoryGroup"]
+__all__ = ["SharedMemoryGroup", "mark_step"]
 
-_FLAG_BYTES = 64  # per rank, one cache line: counter, 2 exchange slots, 2 signature slots
+_FLAG_BYTES = 64  # per rank, one cache line: counter, 2 exchange, 2 signature, 1 step slot
 _NOTE_BYTES = 256  # per rank: what it was doing, written only when the ranks disagree
-_SEQ, _EXCHANGE, _SIGNATURE = 0, 1, 3  # int64 slots in a rank's line
+_SEQ, _EXCHANGE, _SIGNATURE, _STEP = 0, 1, 3, 5  # int64 slots in a rank's line
 ALIGN = 64
 _SPIN_S = 20e-6
+# The call of a step this process is in (mark_step): 0 outside steps, else the step's key
+# (bits 41-62), its count of calls entered (bits 1-40) and 1 while inside the call (bit 0);
+# _LOST: ranks out of step. Each rank shows its mark in its line of every segment.
+_MARK = {"now": 0}
+_COUNT = (1 << 40) - 1
+_LOST = -1
+_segments_made: list = []  # every segment of this process (weak references)
+_lost: dict[str, str] = {}  # "why": the ranks are out of step, for good (this process group)
+_process.on_shutdown(_lost.clear)
+
+
+def mark_step(mark: int, shown: int | None = None) -> int:
+    """Be in the step call ``mark`` (0: none); the previous mark, to restore on leaving.
+
+    The collectives started inside carry it in their signatures, so calls one step apart
+    never pair. Every segment shows ``shown`` (default: the mark) to the other ranks,
+    whose waits read it: a rank waiting in a call that another has left, or gone past,
+    waits for nothing (on leaving, a call shows its mark without bit 0).
+    """
+    if _lost:
+        raise _faults.StepMismatch(_lost["why"])
+    before, _MARK["now"] = _MARK["now"], mark
+    _show_mark(mark if shown is None else shown)
+    return before
+
+
+def _show_mark(value: int) -> None:
+    for ref in _segments_made:
+        segment = ref()
+        if segment is not None:
+            segment._flags[segment.index * (_FLAG_BYTES // 8) + _STEP] = value
+
+
+def _out_of_step(message: str) -> None:
+    """Remember, show the other ranks (their waits end too) and raise: for good."""
+    _lost["why"] = (
+        message + " The ranks' collectives no longer pair up: every later call fails. "
+        "Restart the run (from its last checkpoint)."
+    )
+    _show_mark(_LOST)
+    raise _faults.StepMismatch(message)
 
 
 def _host_identity() -> tuple[str, int]:
@@ -112,6 +155,9 @@ class SharedMemoryGroup:
         self._seq = 0
         self._doing: tuple | None = ("a shared-memory collective",)
         self.timeout = _faults.timeout_seconds()
+        self._flags[index * (_FLAG_BYTES // 8) + _STEP] = _MARK["now"]
+        _segments_made[:] = [ref for ref in _segments_made if ref() is not None]
+        _segments_made.append(weakref.ref(self))
 
     @staticmethod
     def nbytes(size: int, region_bytes: int, common_bytes: int) -> int:
@@ -198,6 +244,8 @@ class SharedMemoryGroup:
         """
         stride, parity = _FLAG_BYTES // 8, self._seq % 2
         sig, flags = _signature(what), self._flags
+        if sig and _MARK["now"]:  # the call of the step: calls one step apart never pair
+            sig = (sig ^ (_MARK["now"] * 0x9E3779B97F4A7C15)) & (2**63 - 1) | 1
         # Posted before the counter (x86 keeps store order), read before the next
         # barrier: a rank that hurries on writes the other slot, as exchange() does.
         flags[self.index * stride + _SIGNATURE + parity] = sig
@@ -235,21 +283,61 @@ class SharedMemoryGroup:
                     late,
                     doing,
                 )
+            self._check_step(seq)
             futex_wait(self._wake_address, word, min(0.1, self.timeout - waited + 1e-3))
+
+    def _check_step(self, seq: int) -> None:
+        """While waiting: has a rank left this call of the step behind, or found the ranks
+        out of step? Then the ones it waits for will not come: say so now, not at timeout."""
+        mine, flags, stride = _MARK["now"], self._flags, _FLAG_BYTES // 8
+        call = mine >> 1 & _COUNT
+        for k in range(self.size):
+            theirs = int(flags[k * stride + _STEP])
+            if k == self.index or flags[k * stride] >= seq:
+                continue  # (arrived)
+            same, at = mine and theirs >> 41 == mine >> 41, theirs >> 1 & _COUNT
+            if theirs == _LOST:  # (whatever this rank waits in: it will not come)
+                did = "found the ranks out of step"
+            elif same and at > call:
+                did = f"began call {at} of the step"
+            elif same and at == call and not theirs & 1:
+                did = f"left call {at} of the step without it"
+            else:
+                continue
+            me, doing = self.ranks[self.index], _show(self._doing)
+            _out_of_step(
+                f"pardist: rank {self.ranks[k]} {did} while rank {me} waits in {doing}"
+                + (f" of call {call}" if mine else "")
+                + ": a rank raised inside a call and went on. To skip a bad batch, decide on "
+                "every rank together, before the step (docs/faults.md).",
+            )
 
     def _disagree(self, what: tuple | None) -> None:
         """Every rank saw the same differing signatures: post what I was doing, read theirs."""
-        text = _show(what).encode()[: _NOTE_BYTES - 1]
+        mark = _MARK["now"]
+        call = f" in call {mark >> 1 & _COUNT} of a step" if mark > 0 else ""
+        text = (_show(what) + call).encode()[: _NOTE_BYTES - 1]
         note = self._notes[self.index]
         note.zero_()
         note[: len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
-        self.barrier(("pardist: comparing what each rank was doing",))
+        _MARK["now"] = 0  # (the ranks' marks may differ: this barrier must pair anyway)
+        try:
+            self.barrier(("pardist: comparing what each rank was doing",))
+        finally:
+            _MARK["now"] = mark
         doing = [
             bytes(self._notes[k].numpy()).rstrip(b"\0").decode(errors="replace")
             for k in range(self.size)
         ]
         listing = "; ".join(f"rank {r}: {d}" for r, d in zip(self.ranks, doing))
         where = _faults.describe_group(self.group_name, self.ranks)
+        if len({re.sub(r" in call \d+ of a step$", "", d) for d in doing}) == 1:
+            raise _faults.StepMismatch(  # the same collective, in different calls of a step
+                f"pardist: the ranks of {where} are at different calls of a step ({listing}): "
+                "a rank raised inside a call and went on, and the collectives would pair one "
+                "step apart, so every rank stops here. To skip a bad batch, decide on every "
+                "rank together, before the step (docs/faults.md)."
+            )
         raise _faults.CollectiveMismatch(
             f"pardist: the ranks of {where} are not in the same collective, or gave it "
             f"different shapes or dtypes ({listing}); the values it would return are "

@@ -1,0 +1,80 @@
+"""The calls of a step: every rank in the same one, or an error naming each one's.
+
+A rank that raises inside a step and goes on (the user caught it, to skip a bad batch)
+leaves the others waiting in a collective of that call; its next call's collectives
+would then pair with theirs, one step apart: wrong numbers, or ranks waiting in
+different collectives until the timeout. So each call of a step is marked with the
+step and its count of calls entered:
+
+- through shared memory (CPU ranks of one host, the default there), at no cost: the
+  count rides in every collective's signature (calls one step apart never pair: every
+  rank raises at once), and a rank waiting in a collective sees another rank begin a
+  later call of the step (it raises within a tenth of a second, and shows the others);
+- over gloo, one all-reduce of two numbers at the start of every call (where the ranks
+  wait in other collectives instead, gloo's own checks stop them);
+- over a backend of GPU tensors only (NCCL between hosts), on the first call and under
+  ``PARDIST_DEBUG=1`` (a check on every call would stall the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from pardist.runtime import _process
+from pardist.runtime._context import debug_enabled
+from pardist.runtime._faults import StepMismatch
+from pardist.transport import _shmgroups
+from pardist.transport._shm import mark_step
+
+__all__ = ["key", "stepping"]
+
+
+def key(where: str, fn) -> int:
+    """The step's 22-bit key, alike on every rank (from its name and its source line)."""
+    code = getattr(fn, "__code__", None)
+    place = f"{where}:{getattr(code, 'co_filename', '')}:{getattr(code, 'co_firstlineno', 0)}"
+    return int.from_bytes(hashlib.blake2b(place.encode(), digest_size=3).digest(), "little") >> 2
+
+
+@contextlib.contextmanager
+def stepping(group: dist.ProcessGroup, step_key: int, count: int, where: str):
+    """Inside: call ``count`` of the step, every rank of ``group`` in it (else an error)."""
+    if _cpu() and _shmgroups.for_collectives(group) is not None:
+        mark = step_key << 41 | count << 1 | 1
+        before = mark_step(mark)
+        try:
+            yield
+        finally:  # left: the call's mark without bit 0 (an outer step's mark, if any)
+            mark_step(before, before or mark - 1)
+        return
+    _compare(group, count, where)
+    yield
+
+
+def _cpu() -> bool:
+    """Whether the ranks compute on the CPU (their collectives then go through gloo or
+    shared memory; on GPUs, through the accelerator's backend)."""
+    return _process.device().type == "cpu"
+
+
+def _compare(group: dist.ProcessGroup, count: int, where: str) -> None:
+    cpu = _cpu()
+    if not cpu and not (count == 1 or debug_enabled()):
+        return
+    device = "cpu" if cpu else _process.device()
+    both = torch.tensor([count, -count], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both.tolist()
+    if high == -low == count:
+        return
+    raise StepMismatch(
+        f"{where}: the ranks are at different calls of this step (from call {-low} to call "
+        f"{high}; rank {dist.get_rank()}: call {count}). A rank that raised inside an "
+        "earlier call and went on skipped what the others did, and their collectives would "
+        "now pair with the wrong ones. To skip a bad batch, decide on every rank together, "
+        "before the step (docs/faults.md)."
+    )
