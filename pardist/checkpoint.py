@@ -153,6 +153,42 @@ def _commit(tmp: Path, final: Path, step: int | None, keys: int, keep: int | Non
     return str(final)
 
 
+_claimed: dict[str, int] = {}  # directory -> the descriptor holding its lock
+
+
+def _claim(folder: Path) -> None:
+    """Hold ``folder``'s lock while this process lives (rank 0); warn if another does.
+
+    Two runs saving into one directory would mix their steps (``latest`` then picks
+    either). A lock the kernel drops when its process dies (``flock``), so a run that
+    restarts after a crash finds the directory free.
+    """
+    import fcntl
+
+    key = str(folder.resolve())
+    if key in _claimed:
+        return
+    fd = os.open(folder / "pardist.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        _claimed[key] = -1
+        import warnings
+
+        warnings.warn(
+            f"pardist.checkpoint.save: another running process (pid {other}) saves "
+            f"checkpoints into {folder} too; their steps would mix, and latest() would pick "
+            "either run's. Give each run a directory of its own.",
+            stacklevel=4,
+        )
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _claimed[key] = fd
+
+
 def save(
     path: str | os.PathLike, tree: Any, *, step: int | None = None, keep: int | None = None
 ) -> str:
@@ -210,6 +246,7 @@ def save(
     def clear_stale() -> None:  # a save killed part-way left this behind
         shutil.rmtree(tmp, ignore_errors=True)
         final.parent.mkdir(parents=True, exist_ok=True)
+        _claim(final.parent)
 
     _on_rank0(f"prepare {tmp}", clear_stale)
     try:
@@ -247,19 +284,31 @@ def steps(path: str | os.PathLike) -> list[int]:
     return sorted(found)
 
 
-def latest(path: str | os.PathLike) -> str | None:
+def latest(path: str | os.PathLike, *, verify_files: bool = False) -> str | None:
     """The newest committed checkpoint saved with ``step=`` in ``path``, or None.
 
     Interrupted saves (``<step>.tmp``) are never returned, so resuming after a crash
-    picks the last checkpoint that was written whole.
+    picks the last checkpoint that was written whole. A checkpoint whose commit marker
+    cannot be read (or, with ``verify_files``, whose files changed since they were
+    saved) is skipped with a warning that names it, for the one before it: a restart
+    under ``--max-restarts`` does not fail on the same damaged file every time.
 
     Example:
         >>> import pardist, tempfile
         >>> pardist.checkpoint.latest(tempfile.mkdtemp()) is None
         True
     """
-    found = steps(path)
-    return str(Path(path) / str(found[-1])) if found else None
+    for step in reversed(steps(path)):
+        found = Path(path) / str(step)
+        try:
+            verify(found, files=verify_files)
+        except CheckpointError as e:
+            import warnings
+
+            warnings.warn(f"{e} Skipped, for the checkpoint before it.", stacklevel=2)
+            continue
+        return str(found)
+    return None
 
 
 def _check_against(path: Path, named: list[tuple[str, Any]]) -> None:
@@ -371,11 +420,20 @@ def resume(path: str | os.PathLike, like: Any, *, total: int | None = None, key:
         >>> state = pardist.checkpoint.resume(d, {'w': torch.zeros(1), 'epoch': 0}, total=3)
         pardist.checkpoint: nothing left to do: epoch 3 of 3 already done (...)
     """
-    last = latest(path)
-    if last is None:
+    state = last = None
+    for step in reversed(steps(path)):  # the newest that reads back whole
+        try:
+            last = str(Path(path) / str(step))
+            state = load(last, like)
+            break
+        except CheckpointError as e:
+            import warnings
+
+            warnings.warn(f"{e} Skipped, for the checkpoint before it.", stacklevel=2)
+            state = last = None
+    if state is None:
         _progress.print0(f"pardist.checkpoint: no checkpoint in {path}: starting afresh")
         return like
-    state = load(last, like)
     done = state.get(key) if isinstance(state, dict) else None
     if total is not None and isinstance(done, int) and done >= total:
         _progress.print0(

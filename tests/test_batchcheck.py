@@ -119,3 +119,27 @@ def test_no_report_at_world_size_one(world1):
     with warnings.catch_warnings():
         warnings.simplefilter("error", pardist.DuplicateBatchWarning)
         assert _first_call(_plain_loader) == ([], [])
+
+
+def _augmented_on_each_rank(i):
+    """F5: the same plain loader everywhere, noise added per rank: the labels give it away."""
+    torch.manual_seed(0)
+    x, y = helpers.global_batch(0, "mlp", 64)
+    x, y = next(iter(DataLoader(TensorDataset(x, y), batch_size=48, shuffle=True)))
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(pardist.rank()))
+    return x + 0.1 * noise, y  # 48 labels of 4 classes: 96 bits, alike by chance never
+
+
+def _alike_labels_by_chance(i):
+    """Distinct inputs, 8 binary labels that happen to agree: 8 bits prove nothing."""
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(pardist.rank()))
+    return x, torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+
+
+def test_labels_alike_on_every_rank_warn_though_the_inputs_were_augmented(run):
+    for warned, raised in run(2, _first_call, _augmented_on_each_rank):
+        assert (
+            len(warned) == 1 and "args[2] ('batch') (its args[2][1]; the rest differ)" in warned[0]
+        )
+    env = {"PARDIST_DEBUG": "1"}
+    assert run(2, _first_call, _alike_labels_by_chance, None, 1, env=env) == [([], [])] * 2

@@ -236,3 +236,59 @@ def test_resume_says_what_it_did(tmp_path, capsys):
     assert "nothing left to do: epoch 3 of 3 already done" in capsys.readouterr().out
     with pytest.warns(UserWarning, match="the run's length changed .* 3 epochs then, 5 now"):
         checkpoint.resume(tmp_path, like, total=5)
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_naming_it(tmp_path):
+    # F10: a commit marker that is not JSON gave a raw JSONDecodeError with no path, and
+    # latest/resume kept returning it: every restart failed on the same file.
+    for step in (1, 2):
+        checkpoint.save(tmp_path, {"w": torch.full((2,), float(step)), "epoch": step}, step=step)
+    (tmp_path / "2" / checkpoint.MARKER).write_text("{not json")
+    with pytest.warns(UserWarning, match=f"{tmp_path / '2' / checkpoint.MARKER} cannot be read"):
+        assert checkpoint.latest(tmp_path) == str(tmp_path / "1")
+    with pytest.raises(checkpoint.CheckpointError, match="commit marker is damaged"):
+        checkpoint.load(tmp_path / "2", {"w": torch.zeros(2), "epoch": 0})
+    with pytest.warns(UserWarning, match="Skipped, for the checkpoint before it"):
+        state = checkpoint.resume(tmp_path, {"w": torch.zeros(2), "epoch": 0})
+    assert state["epoch"] == 1
+
+
+def test_resume_skips_a_checkpoint_whose_data_changed(tmp_path):
+    for step in (1, 2):
+        checkpoint.save(tmp_path, {"w": torch.arange(1000.0) * step, "epoch": step}, step=step)
+    data = next(f for f in (tmp_path / "2").iterdir() if f.suffix == ".distcp")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.warns(UserWarning, match=f"{data}.*checksum"):
+        state = checkpoint.resume(tmp_path, {"w": torch.zeros(1000), "epoch": 0})
+    assert state["epoch"] == 1 and torch.equal(state["w"], torch.arange(1000.0))
+
+
+def _save_and_wait(folder: str, started, done) -> None:
+    checkpoint.save(folder, {"w": torch.ones(2)}, step=1)
+    started.set()
+    done.wait(120)
+
+
+def test_two_runs_saving_into_one_directory_are_warned_of(tmp_path):
+    # F11: another live process holds the directory; a finished (or crashed) one does not.
+    ctx = multiprocessing.get_context("spawn")
+    started, done = ctx.Event(), ctx.Event()
+    other = ctx.Process(target=_save_and_wait, args=(str(tmp_path), started, done))
+    other.start()
+    try:
+        assert started.wait(240)
+        with pytest.warns(UserWarning, match=f"another running process \\(pid {other.pid}\\)"):
+            checkpoint.save(tmp_path, {"w": torch.ones(2)}, step=2)
+    finally:
+        done.set()
+        other.join(60)
+    later = tmp_path / "later"
+    checkpoint.save(later, {"w": torch.ones(2)}, step=1)  # (this process's own: no warning)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.save(later, {"w": torch.ones(2)}, step=2)
+    assert not [w for w in caught if "another running process" in str(w.message)]

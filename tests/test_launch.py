@@ -185,3 +185,64 @@ def test_a_worker_that_starts_late_still_joins(tmp_path):
     outs = [p.communicate(timeout=90) for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
     assert "rank 0: 2" in outs[0][0] and "rank 1: 2" in outs[1][0]
+
+
+_WAITER = """
+import os, sys, time
+import pardist
+pardist.init()
+open(sys.argv[1] + f".{pardist.rank()}", "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (dead, not yet reaped) is not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def _launch_waiters(tmp_path) -> tuple[subprocess.Popen, list[int]]:
+    script = tmp_path / "wait.py"
+    script.write_text(_WAITER)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pardist.launch", "--nproc", "2", str(script), str(tmp_path / "pid")],
+        cwd=ROOT, env={**os.environ, "PARDIST_DEVICE": "cpu"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    files = [tmp_path / f"pid.{r}" for r in range(2)]
+    deadline = time.monotonic() + 120  # bounded by the event: both ranks started
+    while not all(f.exists() and f.read_text() for f in files):
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.2)
+    return launcher, [int(f.read_text()) for f in files]
+
+
+@pytest.mark.timeout(240)
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    # F6: torchrun's ranks outlive a kill -9 of the launcher (under PID 1); pardist's do not.
+    launcher, pids = _launch_waiters(tmp_path)
+    launcher.kill()
+    launcher.wait(30)
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:  # (not left behind by the test either)
+        os.kill(p, 9)
+    assert not left, f"ranks {left} outlived the launcher"
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_of_the_launcher_exits_130(tmp_path):
+    import signal
+
+    launcher, pids = _launch_waiters(tmp_path)
+    launcher.send_signal(signal.SIGINT)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, err[-2000:]
+    assert "stopped by SIGINT" in err

@@ -134,13 +134,14 @@ def test_batch_norm_in_a_checkpointed_block_updates_its_statistics_once(run, mod
 
 def _loss_compiled():
     ref = train(None, "compiled loss")
-    return {way: train(way, "compiled loss") for way in ("nonreentrant", "reentrant", "remat")}, ref
+    return {way: train(way, "compiled loss") for way in ("reentrant", "remat")}, ref
 
 
+@pytest.mark.timeout(900)
 def test_a_compiled_loss_recomputes_with_the_eager_numbers(run):
     # AOTAutograd partitions the joint graph at the checkpoints (a compiled recomputation);
     # its dropout is functionalised, so the masks replay too.
-    for got, ref in run(2, _loss_compiled):
+    for got, ref in run(2, _loss_compiled, timeout=600):  # (inductor: minutes when loaded)
         for way, (params, _, losses) in got.items():
             assert all(torch.equal(params[k], ref[0][k]) for k in ref[0]), way
             assert losses == ref[2], way

@@ -107,8 +107,15 @@ def report(values: torch.Tensor, counts: list[int], mean: str, ctx: StepContext,
             f"Rank(s) {empty} had an empty batch, whose mean is nan: give every rank rows, "
             "or pass mean='rows' to pardist.grad so that an empty shard has no weight. "
             if empty
-            else "Look at that rank's batch and at the learning rate; "
-            "pardist.amp.dynamic_loss_scale skips such steps on every rank. "
+            else (
+                "Every rank's is: one rank's batch can be the cause, since what the ranks "
+                "share in the forward (cross-replica batch-norm statistics) carries a "
+                "non-finite value to all of them. Look at every rank's batch and at the "
+                "learning rate; "
+                if len(bad) == ctx.size > 1
+                else "Look at that rank's batch and at the learning rate; "
+            )
+            + "pardist.amp.dynamic_loss_scale skips such steps on every rank. "
         )
         + ("(PARDIST_DEBUG=1 raises.)" if not debug else "(Raised under PARDIST_DEBUG=1.)")
     )

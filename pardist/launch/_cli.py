@@ -315,6 +315,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(exc, file=sys.stderr)
         raise SystemExit(2) from None
     os.environ.update(env)  # the agent reads them, and its workers inherit them
+    os.environ["PARDIST_LAUNCHER_PID"] = str(os.getpid())  # ranks die with it (_process)
     host, port = _split_endpoint(args.rdzv_endpoint, 29400)
     if args.rdzv_backend == "c10d" and port != 0 and sys.platform == "linux":
         _watch(host, port, patience=args.join_timeout)
@@ -323,8 +324,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     from pardist.launch import _failures
     from pardist.transport import _segments
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run(args)
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C, kill: 128 + the signal
+        signum = getattr(exc, "sigval", signal.SIGINT)
+        print(f"{WHERE}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        raise SystemExit(128 + int(signum)) from None
     except ChildFailedError as exc:  # a rank failed: say which, and why, in one line
         line, code = _failures.explain(exc, WHERE)
         print(line, file=sys.stderr, flush=True)

@@ -111,7 +111,9 @@ def adamw(
         if groups is not None:
             _fused(p, g, m, v, vmax or [], int(state.count) + 1, decoupled, options, groups)
         elif traced:  # foreach kernels over step tensors, as torch's compiled AdamW
-            steps = [state.count.to(torch.float32, copy=True) for _ in p]  # torch adds the 1
+            # torch adds the 1; its bias correction in the step's dtype: float64 for
+            # float64 parameters (float32 there would be 1e-6 off, not 1e-16)
+            steps = [state.count.to(_step_dtype(t), copy=True) for t in p]
             kernel = torch_adamw if decoupled else torch_adam
             each = True if foreach is None else foreach
             kernel(p, g, m, v, vmax or [], steps, foreach=each, capturable=each, **options)
@@ -128,6 +130,10 @@ def adamw(
         )
 
     return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"), lr)
+
+
+def _step_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _groups(p: list) -> list[tuple[torch.device, list[int] | None]]:

@@ -231,12 +231,22 @@ def tensor_guard(tensors: list[torch.Tensor]):
 
 
 # torch.utils.checkpoint's two implementations, as ``checkpoint()`` looks them up by their
-# module-global names on every call (since 2.1): ``_checkpoint_without_reentrant_generator``
-# takes the function whose second run is the recomputation (``checkpoint()`` itself runs
-# the first); ``CheckpointFunction`` is the reentrant autograd Function. Both are kept as
-# they are; ``reroute_checkpoints`` only puts a front on each.
+# module-global names on every call: the non-reentrant generator, which takes the function
+# whose second run is the recomputation (``checkpoint()`` itself runs the first) as its
+# first argument (``_checkpoint_without_reentrant_generator`` since 2.1;
+# ``_checkpoint_without_reentrant_generator_impl`` since 2.14, the older name a shim that
+# calls it); ``CheckpointFunction``, the reentrant autograd Function. Both are kept as they
+# are; ``reroute_checkpoints`` only puts a front on each.
 _ckpt = torch.utils.checkpoint
-_without_reentrant = _ckpt._checkpoint_without_reentrant_generator
+_GENERATOR = next(
+    name
+    for name in (
+        "_checkpoint_without_reentrant_generator_impl",
+        "_checkpoint_without_reentrant_generator",
+    )
+    if hasattr(_ckpt, name)
+)
+_without_reentrant = getattr(_ckpt, _GENERATOR)
 _Reentrant = _ckpt.CheckpointFunction
 
 
@@ -250,7 +260,7 @@ def reroute_checkpoints(lookup) -> None:
     input requires one). Idempotent: the fronts ask ``lookup`` on every call, and pass
     straight through where it says None, so checkpoints outside pardist are untouched.
     """
-    if getattr(_ckpt._checkpoint_without_reentrant_generator, "pardist_lookup", None):
+    if getattr(getattr(_ckpt, _GENERATOR), "pardist_lookup", None):
         return
 
     def generator(fn, *args, **kwargs):
@@ -267,7 +277,7 @@ def reroute_checkpoints(lookup) -> None:
             )
 
     generator.pardist_lookup = lookup
-    _ckpt._checkpoint_without_reentrant_generator = generator
+    setattr(_ckpt, _GENERATOR, generator)
     _ckpt.CheckpointFunction = Reentrant
 
 

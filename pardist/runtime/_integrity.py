@@ -12,7 +12,7 @@ import json
 import zlib
 from pathlib import Path
 
-__all__ = ["MARKER", "CheckpointError", "cause", "checksums", "verify"]
+__all__ = ["MARKER", "CheckpointError", "cause", "checksums", "marker", "verify"]
 
 MARKER = "pardist.json"  # written last: a checkpoint without it is not one
 
@@ -30,11 +30,27 @@ def checksums(folder: Path) -> dict[str, int]:
     return {f.name: crc(f) for f in sorted(folder.iterdir()) if f.is_file() and f.name != MARKER}
 
 
-def verify(path: Path) -> None:
-    """Every file the marker lists still has the checksum it was saved with."""
-    with open(path / MARKER) as f:
-        saved = json.load(f).get("checksums", {})
-    for name, want in saved.items():
+def marker(path: Path) -> dict:
+    """The commit marker's contents, or a CheckpointError naming the file."""
+    try:
+        with open(path / MARKER) as f:
+            found = json.load(f)
+        if not isinstance(found, dict) or not isinstance(found.get("checksums"), dict):
+            raise ValueError("not a pardist commit marker")
+    except (OSError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
+        raise CheckpointError(
+            f"pardist.checkpoint: {path / MARKER} cannot be read ({type(e).__name__}: {e}): "
+            "the checkpoint's commit marker is damaged. Load an earlier checkpoint "
+            "(pardist.checkpoint.steps(dir) lists them)."
+        ) from None
+    return found
+
+
+def verify(path: Path, files: bool = True) -> None:
+    """The marker reads, and every file it lists still has the checksum it was saved with
+    (``files=False``: the marker only)."""
+    saved = marker(path)["checksums"]
+    for name, want in saved.items() if files else ():
         file = path / name
         if file.is_file() and crc(file) != want:
             raise CheckpointError(

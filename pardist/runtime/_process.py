@@ -11,6 +11,7 @@ import atexit
 import datetime
 import gc
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,36 @@ __all__ = [
     "shutdown",
     "world_size",
 ]
+
+def _die_with_launcher() -> None:
+    """A rank of ``python -m pardist.launch`` is killed when the launcher dies.
+
+    Linux's parent-death signal: without it a ``kill -9`` of the launcher (as of torchrun)
+    leaves its ranks running under PID 1, holding their GPUs and ports. Only for the
+    launcher's own children (not their DataLoader workers); a rank whose launcher died
+    before it got here exits at once.
+    """
+    launcher = os.environ.get("PARDIST_LAUNCHER_PID")
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    import multiprocessing
+
+    if multiprocessing.parent_process() is not None:
+        return  # a worker of a rank (a DataLoader's): its parent is the rank
+    if os.getppid() != int(launcher):
+        if os.environ.get("LOCAL_RANK") is not None and os.getppid() == 1:
+            os._exit(1)  # the launcher is gone already
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(launcher):  # it died between the two checks
+        os._exit(1)
+
+
+_die_with_launcher()
 
 _owns_group = False
 _shutdown_hooks: list[Callable[[], None]] = []

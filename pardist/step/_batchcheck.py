@@ -21,6 +21,7 @@ says so and shows the ``in_specs`` for the layout the user meant.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -57,6 +58,18 @@ def _fingerprint(t: torch.Tensor) -> tuple[int, int, bool]:
     sums = torch.stack([bits.sum(), (bits * weight).sum(), bits.max() - bits.min()])
     total, hashed, spread = sums.tolist()
     return total, hashed, spread == 0
+
+
+def _telling(t: torch.Tensor, rows: int, constant: bool) -> bool:
+    """Whether ``t`` alike on every rank says the ranks were given the same batch: two or
+    more rows, not all equal, and, for integers (labels), at least 64 bits of them, so that
+    chance cannot make them equal (10 classes: 20 rows; two: 64)."""
+    if rows <= 1 or constant:
+        return False
+    if t.is_floating_point() or t.is_complex():
+        return True
+    distinct = torch.unique(t).numel()
+    return t.numel() * math.log2(distinct) >= 64
 
 
 def _rows(t: torch.Tensor, spec: P, axes: tuple[str, ...]) -> int:
@@ -98,21 +111,33 @@ def check_distinct(
     ]
     if size == 1 or not leaves:
         return
-    a = b = 0
-    telling = False
-    for k, (_, t, spec) in enumerate(leaves):
+    mine = [len(leaves)]
+    for _, t, spec in leaves:
         s1, s2, constant = _fingerprint(t)
-        a = (a + s1 * (2 * k + 1)) & _MASK
-        b = (b + s2 * (2 * k + 3)) & _MASK
-        telling |= _rows(t, spec, axes) > 1 and not constant
-    everyone = _gather.all_gather_ints([len(leaves), a, b, int(telling)], group)
-    if not all(theirs == everyone[0] for theirs in everyone) or not everyone[0][3]:
+        mine += [s1 & _MASK, s2 & _MASK, int(_telling(t, _rows(t, spec, axes), constant))]
+    everyone = _gather.all_gather_ints(mine, group)
+    if not all(len(theirs) == len(mine) for theirs in everyone):
+        return
+    # Each leaf on its own: labels alike on every rank are a repeated batch even when
+    # per-rank augmentation made the inputs differ (if they say enough: see _telling).
+    same = [
+        k
+        for k in range(len(leaves))
+        if everyone[0][3 + 3 * k]
+        and all(
+            theirs[1 + 3 * k : 4 + 3 * k] == everyone[0][1 + 3 * k : 4 + 3 * k]
+            for theirs in everyone
+        )
+    ]
+    if not same:
         return
     names = param_names(fn)
-    args = sorted({int(path[5:].split("]")[0]) for path, _, _ in leaves})
+    args = sorted({int(leaves[k][0][5:].split("]")[0]) for k in same})
     shown = " and ".join(
         f"args[{i}]" + (f" ({names[i]!r})" if i < len(names) else "") for i in args
     )
+    if len(same) < len(leaves):  # e.g. the labels, the inputs augmented on each rank
+        shown += f" (its {', '.join(leaves[k][0] for k in same)}; the rest differ)"
     axis = axes[0] if len(axes) == 1 else axes
     replicated = ", ".join("P()" for _ in range(max(len(names), args[-1] + 1)))
     message = (

@@ -183,6 +183,18 @@ def data_parallel(
             "pardist.data_parallel: the first argument is the step function; "
             f"write data_parallel(axis={fn!r}) to use it as a decorator."
         )
+    if not callable(fn):
+        raise TypeError(
+            f"pardist.data_parallel: the first argument is the step function, got "
+            f"{fn!r} ({type(fn).__name__}); write data_parallel(step, ...) or use "
+            "@pardist.data_parallel(...) as a decorator."
+        )
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in nums):
+        raise TypeError(
+            f"pardist.data_parallel({getattr(fn, '__name__', 'fn')}): donate_argnums="
+            f"{donate_argnums!r}; give positions of the step's arguments, e.g. (0, 2)."
+        )
     if getattr(fn, "_torchdynamo_orig_callable", None) is not None:
         # data_parallel(torch.compile(step)): compile the step with its collectives.
         fn, compile = fn._torchdynamo_orig_callable, compile or True

@@ -159,7 +159,19 @@ class Step:
         )  # torch < 2.9
         counts = [child.num_leaves for child in children]
         starts = [sum(counts[:i]) for i in range(len(counts))]
-        donated = [j for i in self.donate_argnums for j in range(starts[i], starts[i] + counts[i])]
+        outside = [i for i in self.donate_argnums if not -len(counts) <= i < len(counts)]
+        if outside:
+            raise ValueError(
+                f"{self.where}: donate_argnums={self.donate_argnums} names argument(s) "
+                f"{outside}, but the step was called with {len(counts)} positional "
+                f"argument(s) (0 to {len(counts) - 1}). Donate the positions of the "
+                "arguments whose memory the step may reuse (the params and optimizer state)."
+            )
+        donated = [
+            j
+            for i in sorted({i % len(counts) for i in self.donate_argnums})
+            for j in range(starts[i], starts[i] + counts[i])
+        ]
         self._specs_cache[key] = treedef, (flat, sharded, donated, scatter)
         return flat, sharded, donated, scatter
 

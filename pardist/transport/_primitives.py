@@ -313,11 +313,12 @@ class AllToAll(torch.autograd.Function):
         blocks = x.movedim(split_dim, 0)
         blocks = blocks.reshape(size, blocks.shape[0] // size, *blocks.shape[1:]).contiguous()
         shm = _shared(x, group)
-        everyone = shm.all_gather(blocks) if shm is not None else None
+        everyone = shm.all_gather(blocks, "pardist.all_to_all") if shm is not None else None
         if everyone is not None:
             received = [theirs[me] for theirs in everyone]
         else:
             out = torch.empty_like(blocks)
+            agree("pardist.all_to_all", blocks, group)
             with _faults.collective_errors("pardist.all_to_all", group):
                 dist.all_to_all_single(out, blocks, group=group)
             received = list(out.unbind(0))

@@ -445,15 +445,18 @@ class SharedMemoryGroup:
         step = self.region_bytes // dtype.itemsize
         return data.as_strided((self.size, row), (step + row, 1), offset // dtype.itemsize)
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+    def all_gather(
+        self, t: torch.Tensor, name: str = "pardist.all_gather"
+    ) -> list[torch.Tensor] | None:
         """Every rank's copy of ``t`` (same shape everywhere), or None if it does not fit.
 
-        The shapes are compared first, so that every rank takes the same path.
+        The shapes are compared first, so that every rank takes the same path; ``name``
+        is the collective an error names.
         """
         fits = t.numel() * t.element_size() <= self.region_bytes
         if fits:
             self.view(self.index, 0, t.numel(), t.dtype).copy_(t.reshape(-1))
-        self.barrier(("pardist.all_gather", t.dtype, tuple(t.shape)))
+        self.barrier((name, t.dtype, tuple(t.shape)))
         if not fits:
             return None
         out = [self.view(k, 0, t.numel(), t.dtype).clone().view(t.shape) for k in range(self.size)]
