@@ -141,3 +141,25 @@ def test_a_call_that_does_not_return_is_stopped_at_its_timeout():
     with pytest.raises(SpawnError, match=r"rank\(s\) \[0, 1\] did not finish _sleep within 1 s"):
         workers.run(_sleep, 60, timeout=1)
     assert time.monotonic() - t < 15 and not workers._procs
+
+
+_AFTER_WORK = """
+import torch, pardist
+a = torch.randn(512, 512)
+(a @ a).sum()  # the parent's OpenMP threads in use before the fork
+def f():
+    b = torch.randn(512, 512)
+    return float((b @ b).sum() * 0)
+print(pardist.spawn(f, 1, timeout=100))
+"""
+
+
+def test_a_forked_worker_runs_after_the_parent_computed(tmp_path):
+    # A forked worker given 2 threads hung in its first matmul: OpenMP cannot start the
+    # threads of a parent that used them before the fork.
+    script = tmp_path / "after_work.py"
+    script.write_text(_AFTER_WORK)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=200
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "0.0", done.stderr[-2000:]

@@ -204,7 +204,9 @@ class Workers:
         _check_cuda_untouched(method)
         self.nprocs, self.timeout = nprocs, timeout
         ctx = multiprocessing.get_context(method)
-        threads = max(1, (os.cpu_count() or 1) // nprocs)
+        # A forked worker computes on one thread: OpenMP cannot start the threads of a
+        # parent that used them before the fork (its first parallel region would hang).
+        threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
         self._conns, self._procs = [], []
         for rank in range(nprocs):
             parent, child = ctx.Pipe()

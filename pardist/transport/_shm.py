@@ -86,6 +86,24 @@ def _out_of_step(message: str) -> None:
     raise _faults.StepMismatch(message)
 
 
+_LOAD = {"checked": -1.0, "crowded": False}
+
+
+def _crowded(now: float) -> bool:
+    """Whether more processes want a core than there are cores (read once a second).
+
+    A waiting rank then sleeps at once instead of spinning: on a machine it shares (two
+    jobs, more ranks than cores) the spin takes the core that the rank it waits for needs.
+    """
+    if now - _LOAD["checked"] > 1.0:
+        _LOAD["checked"] = now
+        try:
+            _LOAD["crowded"] = os.getloadavg()[0] > (os.cpu_count() or 1)
+        except OSError:
+            _LOAD["crowded"] = False
+    return _LOAD["crowded"]
+
+
 def _host_identity() -> tuple[str, int]:
     try:
         netns = os.stat("/proc/self/ns/net").st_ino
@@ -265,7 +283,7 @@ class SharedMemoryGroup:
             futex_wake(self._wake_address)
             return
         start = time.monotonic()
-        while time.monotonic() - start < _SPIN_S:
+        while time.monotonic() - start < _SPIN_S and not _crowded(start):
             if arrived():
                 return
         while True:
