@@ -46,6 +46,7 @@ from pardist.runtime._seed import rank_seed, seed_everything, seed_worker
 from pardist.runtime._warnings import DuplicateBatchWarning, NonFiniteLossWarning
 from pardist.sharding._fsdp import fsdp
 from pardist.step._data_parallel import data_parallel
+from pardist.step._diloco import DiLoCo, DiLoCoState, diloco, local_sgd
 from pardist.step._shard_map import shard_map
 from pardist.step._specs import P, local_block, specs, state_specs
 
@@ -53,6 +54,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CrossReplicaBatchNorm",
+    "DiLoCo",
+    "DiLoCoState",
     "DuplicateBatchWarning",
     "Mesh",
     "NonFiniteLossWarning",
@@ -70,6 +73,7 @@ __all__ = [
     "data",
     "data_parallel",
     "device",
+    "diloco",
     "distributed",
     "fsdp",
     "functional",
@@ -81,6 +85,7 @@ __all__ = [
     "is_initialized",
     "is_main",
     "local_block",
+    "local_sgd",
     "local_rank",
     "optim",
     "pmax",

@@ -58,10 +58,12 @@ MODELS = {"mlp": mlp, "convnet": convnet, "transformer": transformer}
 SHAPES = {"mlp": (8,), "convnet": (1, 8, 8), "transformer": (6, 16)}
 
 
-def global_batch(step: int, model: str, n: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+def global_batch(
+    step: int, model: str, n: int = 24, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     shape = (n, *SHAPES[model])
-    return torch.randn(shape, generator=g), torch.randint(0, 4, (n,), generator=g)
+    return torch.randn(shape, generator=g, dtype=dtype), torch.randint(0, 4, (n,), generator=g)
 
 
 def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -89,13 +91,15 @@ def train_pardist(
     whole_batch: bool = False,
     donate: bool = False,
     compile_loss: dict | None = None,
+    dtype: torch.dtype = torch.float32,
     **dp_options,
 ):
     """Train with data_parallel; return (params, buffers, per-step losses, per-step prints).
 
     ``compile_loss``: torch.compile's arguments for the loss function given to
-    ``pardist.value_and_grad`` (the rest of the step stays eager)."""
-    apply, params, buffers = pardist.functional(MODELS[model](), sync_bn=sync_bn)
+    ``pardist.value_and_grad`` (the rest of the step stays eager). ``dtype``: the
+    model's and the batches' (float64 to compare with other float64 training)."""
+    apply, params, buffers = pardist.functional(MODELS[model]().to(dtype), sync_bn=sync_bn)
     opt = make_optimizer(opt_name)
     state = opt.init(params)
 
@@ -119,7 +123,7 @@ def train_pardist(
     rank, world = pardist.rank(), pardist.world_size()
     losses, prints = [], []
     for s in range(steps):
-        x, y = global_batch(s, model)
+        x, y = global_batch(s, model, dtype=dtype)
         if not whole_batch:
             x, y = shard(x, rank, world), shard(y, rank, world)
         params, buffers, state, loss = step(params, buffers, state, (x, y))
@@ -128,13 +132,15 @@ def train_pardist(
     return params, buffers, losses, prints
 
 
-def train_ddp(model: str = "mlp", opt_name: str = "sgd", steps: int = 4):
+def train_ddp(
+    model: str = "mlp", opt_name: str = "sgd", steps: int = 4, dtype: torch.dtype = torch.float32
+):
     """The same training with torch DDP; returns its parameters."""
-    net = nn.parallel.DistributedDataParallel(MODELS[model]())
+    net = nn.parallel.DistributedDataParallel(MODELS[model]().to(dtype))
     opt = torch_optimizer(opt_name, net.parameters())
     rank, world = dist.get_rank(), dist.get_world_size()
     for s in range(steps):
-        x, y = global_batch(s, model)
+        x, y = global_batch(s, model, dtype=dtype)
         opt.zero_grad()
         F.cross_entropy(net(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()

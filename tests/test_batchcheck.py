@@ -138,6 +138,7 @@ def _alike_labels_by_chance(i):
 
 def test_labels_alike_on_every_rank_warn_though_the_inputs_were_augmented(run):
     for warned, raised in run(2, _first_call, _augmented_on_each_rank):
+        assert not raised
         assert (
             len(warned) == 1 and "args[2] ('batch') (its args[2][1]; the rest differ)" in warned[0]
         )

@@ -4,7 +4,8 @@ N ranks against plain torch in one process on the concatenated batch, on both
 transports: nn.BatchNorm, a subclass with its own forward (timm's BatchNormAct2d
 pattern), modules calling F.batch_norm / torch.batch_norm, nn.SyncBatchNorm, empty
 shards, large means, bf16. What cannot be made cross-replica raises, naming the
-module. Outside a step and in eval mode, ``apply`` is the module itself.
+module. Outside a step and in eval mode, ``apply`` is the module itself. The
+models run in float64 on both sides, compared up to float64 rounding (numerics.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 from torch import nn
 
 import pardist
 
 TRANSPORTS = {"shm": None, "gloo": {"PARDIST_SHM": "0"}}
-TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 class NormAct(nn.BatchNorm2d):
@@ -54,12 +55,14 @@ def net(norm=NormAct, channels_last: bool = False) -> nn.Module:
         nn.Linear(6 * 4 * 4, 5),
         nn.BatchNorm1d(5),
     )
+    model = model.double()
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
 def data(n: int = 12):
     g = torch.Generator().manual_seed(3)
-    return torch.randn(n, 3, 8, 8, generator=g) * 2 + 0.5, torch.randint(0, 5, (n,), generator=g)
+    x = torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64) * 2 + 0.5
+    return x, torch.randint(0, 5, (n,), generator=g)
 
 
 def one_process(model: nn.Module, x, y, steps: int = 2):
@@ -108,15 +111,13 @@ def check(results, sizes, norm=NormAct, channels_last=False, inputs=True):
     x, y = data(sum(sizes))
     loss1, grads1, gx1, buffers1 = one_process(net(norm, channels_last), x, y)
     for r, (loss, grads, gx, buffers) in enumerate(results):
-        assert loss == pytest.approx(loss1, rel=1e-6)
-        for k in grads1:
-            torch.testing.assert_close(grads[k], grads1[k], **TOL)
+        assert_close64(loss, loss1, "loss")
+        assert_close64(grads, grads1, "parameter gradients")
         # an input's gradient stays local: that of the sum of the ranks' losses
         if inputs:
             rows = gx1.split(sizes)[r]
-            torch.testing.assert_close(gx, rows * len(sizes), **TOL)
-        for k in buffers1:
-            torch.testing.assert_close(buffers[k], buffers1[k], **TOL)
+            assert_close64(gx, rows * len(sizes), f"rank {r}'s input gradient")
+        assert_close64(buffers, buffers1, "buffers")
     for other in results[1:]:  # replicas bit-identical
         assert all(torch.equal(other[1][k], results[0][1][k]) for k in grads1)
         assert all(torch.equal(other[3][k], results[0][3][k]) for k in buffers1)
@@ -166,53 +167,44 @@ def test_too_few_rows_in_all_is_an_error(run):
 
 def test_a_single_row_per_rank_is_enough(run):
     # torch refuses 1 row when training; 2 ranks of 1 row are a batch of 2. With 2 rows
-    # every normalised value is about +-1 and most gradients are rounding noise (a bias's
-    # is ~1e-19, exactly 0 in exact arithmetic), so a fixed tolerance measures the CPU's
-    # kernels, not pardist (it failed on some machines at 3.7e-6). The reference is plain
-    # torch in float64, and each tensor may differ from it by 4x plain torch's own float32
-    # error on this machine (its floor; pardist measured 0.9-1.9x it) plus float32 rounding.
+    # every normalised value is about +-1 and many gradients are rounding noise (a bias's
+    # is exactly 0 in exact arithmetic): in float32 that noise is the CPU's kernels', ~1e-7
+    # of the largest gradient, and no tolerance on it holds everywhere. In float64 it is
+    # ~1e-16 of it, far below the tolerance (numerics.py).
     sizes = [1, 1]
-    x, y = data(2)
-    ref64 = one_process(net().double(), x.double(), y)
-    floor = one_process(net(), x, y)
-    for r, got in enumerate(run(2, on_ranks, sizes)):
-        for k in ref64[1]:
-            _close_to(got[1][k], ref64[1][k], floor[1][k], f"gradient {k}")
-        n = len(sizes)  # the input's gradient stays local: that of the sum of the ranks' losses
-        want, torch32 = ref64[2].split(sizes)[r] * n, floor[2].split(sizes)[r] * n
-        _close_to(got[2], want, torch32, f"rank {r}'s input gradient")
-        for k in ref64[3]:
-            _close_to(got[3][k], ref64[3][k], floor[3][k], f"buffer {k}")
-        assert got[0] == pytest.approx(ref64[0], rel=1e-5)
-
-
-def _close_to(got: torch.Tensor, want64: torch.Tensor, torch32: torch.Tensor, what: str) -> None:
-    if not want64.is_floating_point():
-        assert torch.equal(got, want64.to(got.dtype)), what
-        return
-    floor = (torch32.double() - want64).abs().max().item()
-    tol = 4 * floor + 4 * torch.finfo(torch.float32).eps * want64.abs().max().item()
-    err = (got.double() - want64).abs().max().item()
-    assert err <= tol, f"{what}: {err:.2e} from float64, tolerance {tol:.2e} (floor {floor:.2e})"
+    check(run(2, on_ranks, sizes), sizes)
 
 
 def _large_mean(dtype):
-    bn = nn.BatchNorm1d(3)
+    bn = nn.BatchNorm1d(3).to(dtype)
     apply, params, buffers = pardist.functional(bn)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 3, generator=g, dtype=torch.float64) * 0.01 + 1e4
+    # 1e4 plus multiples of 1/16 up to 1/2: every partial sum of up to 64 of them is a
+    # multiple of 1/16 below 2^20, exact in float32 (see the test)
+    x = 1e4 + torch.randint(-8, 9, (64, 3), generator=g).double() / 16
     step = pardist.data_parallel(
         lambda p, b, x: apply(p, b, x.to(dtype)), out_specs=(pardist.P("gpu"), None)
     )
     out, new = step(params, buffers, x.chunk(2)[pardist.rank()])
-    return out.dtype, new["running_var"], x.to(dtype).double().var(0)
+    return out.dtype, new["running_var"], x.var(0)
 
 
 def test_statistics_keep_their_precision_when_the_mean_is_large(run):
-    # Per rank mean 1e4, std 0.01: a sum of squares in float32 would lose it all.
+    # Per rank mean 1e4, variance ~0.1: a sum of squares in float32 would lose it all
+    # (its terms are ~1e8, spaced 8 apart). This is about float32 inputs, so it runs in
+    # float32, with a bound from the sizes. The values are chosen so that torch's float32
+    # statistics of each shard are exact in any summation order (its sums are multiples of
+    # 1/16 below 2^20, the mean a multiple of 2^-9, the squared deviations multiples of
+    # 2^-18 below 1, their sum below 2^5), or within (32 + 3) 2^-24 var of it for a
+    # Welford kernel. Combined as sums of squares in float64 (~1e8 a value, a handful of
+    # steps each off by 2^-53 of it): under 16 * 2^-53 * 1e8 more. The running variance
+    # (~0.91) takes a tenth of the unbiased variance (64/63 of the biased one) and is
+    # rounded twice in float32 (2^-25 each, 2^-23 with room).
     for dtype, running_var, var in run(2, _large_mean, torch.float32):
-        assert dtype == torch.float32
-        torch.testing.assert_close(running_var.double(), 0.9 + 0.1 * var, rtol=1e-6, atol=0)
+        assert dtype == running_var.dtype == torch.float32
+        bound = 0.1 * 64 / 63 * (35 * 2**-24 * var + 16 * 2**-53 * 1e8) + 2**-23
+        err = (running_var.double() - (0.9 + 0.1 * var)).abs()
+        assert (err <= bound).all(), (err, bound)
 
 
 class _Raw(nn.BatchNorm1d):
@@ -284,9 +276,9 @@ def test_convert_batchnorm_refuses_to_drop_a_forward():
 def _cross_replica_module():
     # CrossReplicaBatchNorm in a model run without pardist.functional.
     torch.manual_seed(0)
-    model = pardist.convert_batchnorm(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    model = pardist.convert_batchnorm(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double())
     params = {k: v.detach() for k, v in model.named_parameters()}
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
     @pardist.data_parallel
     def step(p, x):
@@ -299,12 +291,11 @@ def _cross_replica_module():
 
 def test_cross_replica_batchnorm_module(run):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     model(x).square().mean().backward()
     for grads in run(2, _cross_replica_module):
-        for k, p in model.named_parameters():
-            torch.testing.assert_close(grads[k], p.grad, **TOL)
+        assert_close64(grads, {k: p.grad for k, p in model.named_parameters()}, "gradients")
 
 
 class _Helper(nn.Module):
@@ -316,13 +307,13 @@ class _Helper(nn.Module):
 
 def _helper_net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), _Helper(), nn.Linear(6, 2))
+    return nn.Sequential(nn.Linear(4, 6), _Helper(), nn.Linear(6, 2)).double()
 
 
 def _helper_steps(steps: int = 3):
     apply, params, _ = pardist.functional(_helper_net())
     g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    x, y = (torch.randn(8, n, generator=g, dtype=torch.float64) for n in (4, 2))
     r = pardist.rank()
 
     @pardist.data_parallel
@@ -339,12 +330,11 @@ def _helper_steps(steps: int = 3):
 def test_batch_norm_called_from_a_function_stays_cross_replica_after_the_first_call(run):
     model = _helper_net()
     g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    x, y = (torch.randn(8, n, generator=g, dtype=torch.float64) for n in (4, 2))
     opt = torch.optim.SGD(model.parameters(), 0.1)
     for _ in range(3):
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         opt.step()
     for params in run(2, _helper_steps):
-        for k, v in model.named_parameters():
-            torch.testing.assert_close(params[k], v.detach(), **TOL)
+        assert_close64(params, {k: v.detach() for k, v in model.named_parameters()}, "params")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from numerics import assert_close64
 
 import pardist
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+F64 = torch.float64  # both sides compute in float64, compared up to its rounding (numerics.py)
 
 
 def _values():
@@ -69,7 +70,7 @@ def _losses(local: bool):
 
 def _batch():
     g = torch.Generator().manual_seed(7)
-    return torch.randn(3, generator=g), torch.randn(12, 3, generator=g)
+    return torch.randn(3, generator=g, dtype=F64), torch.randn(12, 3, generator=g, dtype=F64)
 
 
 def _grads_on_shards():
@@ -88,8 +89,8 @@ def test_backward_rules_match_one_process(run, n):
     expected = {name: pardist.value_and_grad(loss)(w, x) for name, loss in _losses(False).items()}
     for per_rank in run(n, _grads_on_shards):
         for name, (value, g) in per_rank.items():
-            torch.testing.assert_close(value, expected[name][0], **TOL, msg=name)
-            torch.testing.assert_close(g, expected[name][1], **TOL, msg=name)
+            assert_close64(value, expected[name][0], f"{name}'s value")
+            assert_close64(g, expected[name][1], f"{name}'s gradient")
 
 
 def _under_torch_func():

@@ -6,47 +6,45 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 
 import pardist
 from pardist import P
 
-TOL = dict(rtol=1e-5, atol=1e-5)
+F64 = torch.float64  # comparisons of training runs are in float64: see numerics.py
 
 
 def reference(model, opt_name, **kw):
     """One process on the concatenated global batch (world size 1, in the test process)."""
-    return helpers.train_pardist(model, opt_name, whole_batch=True, **kw)
+    return helpers.train_pardist(model, opt_name, whole_batch=True, dtype=F64, **kw)
 
 
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_mlp_equals_one_process_and_ddp(run, world1, nprocs, opt_name):
     params1, _, losses1, _ = reference("mlp", opt_name)
-    results = run(nprocs, helpers.train_pardist, "mlp", opt_name)
-    ddp = run(nprocs, helpers.train_ddp, "mlp", opt_name)
+    results = run(nprocs, helpers.train_pardist, "mlp", opt_name, dtype=F64)
+    ddp = run(nprocs, helpers.train_ddp, "mlp", opt_name, dtype=F64)
     for params, _, losses, _ in results:
-        for k in params1:
-            torch.testing.assert_close(params[k], params1[k], **TOL)
-            torch.testing.assert_close(params[k], ddp[0][k], **TOL)
+        assert_close64(params, params1, "one process")
+        assert_close64(params, ddp[0], "DDP")
         # value_and_grad returns the global-batch loss, identical on every rank
-        assert losses == pytest.approx(losses1, rel=1e-5)
+        assert_close64(losses, losses1, "losses")
 
 
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_batchnorm_convnet_with_sync_bn_equals_one_process(run, world1, nprocs):
     params1, buffers1, _, _ = reference("convnet", "sgd")
-    for params, buffers, _, _ in run(nprocs, helpers.train_pardist, "convnet", "sgd"):
-        for k in params1:
-            torch.testing.assert_close(params[k], params1[k], **TOL)
-        for k in buffers1:  # running statistics too: they came from the global batch
-            torch.testing.assert_close(buffers[k], buffers1[k], **TOL)
+    for params, buffers, _, _ in run(nprocs, helpers.train_pardist, "convnet", "sgd", dtype=F64):
+        assert_close64(params, params1, "parameters")
+        # running statistics too: they came from the global batch
+        assert_close64(buffers, buffers1, "buffers")
 
 
 def test_batchnorm_without_sync_equals_ddp_and_buffers_agree(run):
-    ours = run(2, helpers.train_pardist, "convnet", "sgd", sync_bn=False)
-    ddp = run(2, helpers.train_ddp, "convnet", "sgd")
-    for k in ddp[0]:
-        torch.testing.assert_close(ours[0][0][k], ddp[0][k], **TOL)
+    ours = run(2, helpers.train_pardist, "convnet", "sgd", sync_bn=False, dtype=F64)
+    ddp = run(2, helpers.train_ddp, "convnet", "sgd", dtype=F64)
+    assert_close64(ours[0][0], ddp[0], "DDP")
     for k in ours[0][1]:  # per-shard statistics, averaged so every replica keeps the same
         assert torch.equal(ours[0][1][k], ours[1][1][k])
 
@@ -272,8 +270,8 @@ def _tuple_axes(flat: bool):
     axis = "all" if flat else ("node", "gpu")
     if flat:
         mesh = pardist.Mesh({"all": 4})
-    x, y = helpers.global_batch(0, "mlp")
-    apply, params, _ = pardist.functional(helpers.mlp())
+    x, y = helpers.global_batch(0, "mlp", dtype=F64)
+    apply, params, _ = pardist.functional(helpers.mlp().double())
 
     @pardist.data_parallel(axis=axis, mesh=mesh)
     def step(params, batch):
@@ -286,8 +284,8 @@ def _tuple_axes(flat: bool):
 def test_hierarchical_axes_equal_flat_reduction(run):
     hier = run(4, _tuple_axes, False)
     flat = run(4, _tuple_axes, True)
+    assert_close64(hier[0], flat[0], "hierarchical against flat")
     for k in hier[0]:
-        torch.testing.assert_close(hier[0][k], flat[0][k], **TOL)
         assert all(torch.equal(h[k], hier[0][k]) for h in hier)
 
 

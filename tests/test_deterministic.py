@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 from torch import nn
 
 import pardist
@@ -53,25 +54,25 @@ def model(kind: str) -> nn.Module:
     return Tiny()
 
 
-def batches(kind: str, steps: int, rows: int = 24) -> list:
+def batches(kind: str, steps: int, rows: int = 24, dtype=torch.float32) -> list:
     g = torch.Generator().manual_seed(1)
     if kind in ("mlp", "wide"):
-        xs = [torch.randn(rows, 10, generator=g) for _ in range(steps)]
+        xs = [torch.randn(rows, 10, generator=g, dtype=dtype) for _ in range(steps)]
     elif kind == "bn":
-        xs = [torch.randn(rows, 3, 8, 8, generator=g) * 2 + 0.5 for _ in range(steps)]
+        xs = [torch.randn(rows, 3, 8, 8, generator=g, dtype=dtype) * 2 + 0.5 for _ in range(steps)]
     else:
         xs = [torch.randint(0, 40, (rows, 6), generator=g) for _ in range(steps)]
     return [(x, torch.randint(0, 5, (rows,), generator=g)) for x in xs]
 
 
-def train(kind: str, optimizer: str, steps: int = 3, groups: int = G):
+def train(kind: str, optimizer: str, steps: int = 3, groups: int = G, dtype=torch.float32):
     """On every rank: ``steps`` deterministic steps on this rank's slice of each batch."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels at every world size
     try:
         pardist.seed_everything(0)
         pardist.set_rng_count(0)  # a fresh run (these worker processes ran other tests)
-        apply, params, buffers = pardist.functional(model(kind))
+        apply, params, buffers = pardist.functional(model(kind).to(dtype))
         opt = (
             pardist.optim.sgd(0.05, momentum=0.9)
             if optimizer == "sgd"
@@ -91,7 +92,7 @@ def train(kind: str, optimizer: str, steps: int = 3, groups: int = G):
 
         r, n = pardist.rank(), pardist.world_size()
         losses = []
-        for x, y in batches(kind, steps):
+        for x, y in batches(kind, steps, dtype=dtype):
             rows = len(x) // n
             mine = (x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
             params, buffers, opt_state, loss = step(params, buffers, opt_state, mine)
@@ -135,20 +136,19 @@ def test_both_transports(run, transport, kind):
 
 
 def test_close_to_plain_torch(run):
-    """The deterministic mode computes the same function as one plain torch process."""
-    params, buffers, _, losses = run(2, train, "bn", "sgd", 1)[0]
-    net = model("bn")
-    x, y = batches("bn", 1)[0]
+    """The deterministic mode computes the same function as one plain torch process
+    (both in float64, compared up to its rounding: numerics.py)."""
+    params, buffers, _, losses = run(2, train, "bn", "sgd", 1, dtype=torch.float64)[0]
+    net = model("bn").double()
+    x, y = batches("bn", 1, dtype=torch.float64)[0]
     loss = F.cross_entropy(net(x), y)
     loss.backward()
     with torch.no_grad():
         for p in net.parameters():
             p -= 0.05 * p.grad
-    assert float(losses[0]) == pytest.approx(loss.item(), rel=1e-5)
-    for k, p in net.named_parameters():
-        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6)
-    for k, b in net.named_buffers():
-        torch.testing.assert_close(buffers[k], b, rtol=1e-5, atol=1e-6)
+    assert_close64(losses[0], loss.detach(), "loss")
+    assert_close64(params, {k: p.detach() for k, p in net.named_parameters()}, "parameters")
+    assert_close64(buffers, dict(net.named_buffers()), "buffers")
 
 
 def _bad(groups: int, rows: int):
@@ -213,20 +213,92 @@ class _Fails(nn.Module):
 
 def test_an_error_in_one_group_is_raised_and_the_next_step_runs(world1):
     torch.manual_seed(0)
-    net = nn.Sequential(_Fails(), nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    net = nn.Sequential(_Fails(), nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
     apply, params, buffers = pardist.functional(net)
 
     @pardist.data_parallel(deterministic=4)
     def step(p, x):
         return pardist.value_and_grad(lambda p, x: apply(p, buffers, x)[0].mean())(p, x)
 
-    x = torch.randn(8, 3)
+    x = torch.randn(8, 3, dtype=torch.float64)
     marked = x.clone()
     marked[4, 0] = 1000.0  # the first row of group 2: groups 0 and 1 wait at the batch norm
     with pytest.raises(ZeroDivisionError, match="marked row"):
         step(params, marked)
     value, grads = step(params, x)  # the kept threads are free again
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    ref = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).double()
     want = ref(x).mean()
-    assert value.item() == pytest.approx(want.item(), rel=1e-5)
+    assert_close64(value, want.detach(), "value")  # float64, up to its rounding
+
+
+def _after_a_nan_step():
+    # F1: a NaN step's batch-norm statistics are NaN in every group; they were once
+    # joined (NaN never equals NaN) into a (16,)-> (2*16,) buffer that crashed the next step.
+    torch.manual_seed(0)
+    apply, params, buffers = pardist.functional(nn.Sequential(nn.Linear(3, 16), nn.BatchNorm1d(16)))
+
+    @pardist.data_parallel(deterministic=4)
+    def step(p, b, x):
+        loss = lambda p, b, x: (lambda out: (out[0].pow(2).mean(), out[1]))(apply(p, b, x))
+        return pardist.value_and_grad(loss, has_aux=True)(p, b, x)[0][1]
+
+    x = torch.randn(8, 3).chunk(pardist.world_size())[pardist.rank()]
+    nan = step(params, buffers, torch.full_like(x, float("nan")))
+    after = step(params, nan, x)  # runs: the buffers kept their shapes
+    return {k: v.shape for k, v in nan.items()}, {k: v.shape for k, v in after.items()}
+
+
+def test_a_nan_step_keeps_the_shapes_of_the_buffers(run):
+    for nan, after in run(2, _after_a_nan_step):
+        assert nan == after == {"1.running_mean": (16,), "1.running_var": (16,),
+                                "1.num_batches_tracked": ()}  # fmt: skip
+
+
+def _equal_valued_aux():
+    # F2: outputs equal in every group (a constant per row, the same scalar per group)
+    # were returned once, so their shape depended on their values.
+    P = pardist.P
+
+    @pardist.data_parallel(deterministic=4, out_specs=(P(), P("gpu"), P("gpu")))
+    def step(w, x):
+        f = lambda w, x: ((x @ w).sum(), (torch.zeros(len(x)), w.sum() * 0))
+        g, (rows, scalars) = pardist.grad(f, has_aux=True)(w, x)
+        return g, rows, scalars
+
+    x = torch.ones(8, 3).chunk(pardist.world_size())[pardist.rank()]
+    _, rows, scalars = step(torch.ones(3), x)
+    return rows.shape, scalars.shape, pardist.world_size()
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_aux_shapes_follow_the_layout_not_the_values(run, nprocs):
+    for rows, scalars, world in run(nprocs, _equal_valued_aux):
+        # this rank's block: each of its rows; one scalar per row group (4 in all)
+        assert rows == (8 // world,) and scalars == (4 // world,)
+
+
+class _OwnRows(nn.Module):
+    """A buffer that follows each call's own rows: no one value for all the row groups."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("last", torch.zeros(3))
+
+    def forward(self, x):
+        self.last.copy_(x.mean(0))
+        return x
+
+
+def test_state_the_groups_disagree_on_is_an_error(world1):
+    apply, params, buffers = pardist.functional(nn.Sequential(_OwnRows(), nn.Linear(3, 1)))
+
+    @pardist.data_parallel(deterministic=2)
+    def step(p, b, x):
+        loss = lambda p, b, x: (lambda out: (out[0].mean(), out[1]))(apply(p, b, x))
+        return pardist.grad(loss, has_aux=True)(p, b, x)
+
+    with pytest.raises(
+        ValueError, match=r"row groups 0 and 1 returned different values for aux\['0.last'\]"
+    ):
+        step(params, buffers, torch.randn(4, 3))

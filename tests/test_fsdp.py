@@ -4,7 +4,9 @@ The model has what breaks naive FSDP: an embedding tied to the output layer (use
 by the first and the last module), batch norm synchronised over the axis, a
 module type with a raw parameter, nested units, and sizes that divide by no
 number of ranks. The references are unsharded ``data_parallel`` at the same
-ranks and, independently, one plain torch process on the whole batch.
+ranks and, independently, one plain torch process on the whole batch. The
+training compared runs in float64 on every side, compared up to float64
+rounding (numerics.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -100,7 +103,7 @@ def train(
     first=0,
 ):
     """Train Net; return (full params, buffers, losses, gradient kinds, specs, raw state)."""
-    apply, params, buffers = pardist.functional(Net(), fsdp_units=units)
+    apply, params, buffers = pardist.functional(Net().double(), fsdp_units=units)
     if shard:
         params = pardist.fsdp(params, fsdp_axis, mesh=mesh)
     opt = OPTIMIZERS[opt_name][0]()
@@ -142,7 +145,7 @@ def train(
 
 
 def one_process(opt_name: str):
-    net = Net()
+    net = Net().double()
     opt = OPTIMIZERS[opt_name][1](net.parameters())
     for s in range(STEPS):
         ids, y = batch(s)
@@ -158,11 +161,9 @@ def _compare(opt_name, donate, units):
     return dp[:5] + dp[6:], ours[:5] + ours[6:]
 
 
-def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
+def _close(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
-    for k in a:
-        worst = float((a[k] - b[k]).abs().max())
-        assert worst <= tol, f"{k}: {worst:.2e}"
+    assert_close64(a, b, "parameters")
 
 
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
@@ -170,17 +171,17 @@ def _close(a: dict, b: dict, tol: float = 1e-5) -> None:
 def test_equals_data_parallel_and_one_process(run, nprocs, opt_name):
     reference, ref_buffers = one_process(opt_name)
     results = run(nprocs, _compare, opt_name, nprocs % 2 == 0, "auto")
-    net = Net()
+    net = Net().double()
     net.load_state_dict({**reference, **ref_buffers}, strict=False)  # head.weight is tied
     evaluated = net.eval()(batch(0)[0])
     for (dp, _, dp_losses, dp_kinds, _, dp_logits), ours in results:
         params, buffers, losses, kinds, specs, logits = ours
-        torch.testing.assert_close(logits, dp_logits, rtol=1e-5, atol=1e-5)  # evaluation
-        torch.testing.assert_close(logits, evaluated, rtol=1e-5, atol=1e-5)
+        assert_close64(logits, dp_logits, "evaluation")
+        assert_close64(logits, evaluated, "evaluation against one process")
         _close(params, dp)  # unsharded data_parallel at the same ranks
         _close(params, reference)  # one plain torch process on the whole batch
-        _close(buffers, ref_buffers)  # sync batch norm's running statistics
-        assert losses == pytest.approx(dp_losses, abs=1e-6)
+        assert_close64(buffers, ref_buffers, "buffers")  # sync batch norm's running statistics
+        assert_close64(losses, dp_losses, "losses")
         # pardist.grad returned shards, and the params stayed shards over 'gpu'
         assert kinds == {"DTensor"} and dp_kinds == {"Tensor"}
         assert set(specs.values()) == {P("gpu")}
@@ -312,7 +313,7 @@ def test_units_follow_modules_and_tied_weights_go_to_the_unit_holding_every_user
 
 
 def _grads():
-    apply, params, buffers = pardist.functional(Net())
+    apply, params, buffers = pardist.functional(Net().double())
     shards = pardist.fsdp(params)
 
     def loss_fn(p, b, ids, y):
@@ -331,8 +332,8 @@ def test_grad_returns_this_ranks_shard_of_the_mean_gradient(run):
         for k, (local, whole) in ours.items():
             flat = mean[k].reshape(-1)
             chunk = -(-flat.numel() // 3)
-            torch.testing.assert_close(local, flat[rank * chunk : (rank + 1) * chunk])
-            torch.testing.assert_close(whole, flat)
+            assert_close64(local, flat[rank * chunk : (rank + 1) * chunk], f"{k}'s shard")
+            assert_close64(whole, flat, k)
 
 
 def _accumulate():
@@ -365,7 +366,7 @@ def _save(path):
 
 
 def _resume(path):
-    apply, params, buffers = pardist.functional(Net())
+    apply, params, buffers = pardist.functional(Net().double())
     params = pardist.fsdp(params)
     like = {"params": params, "buffers": buffers, "state": optim.adamw(1e-2).init(params)}
     loaded = pardist.checkpoint.load(path, like)
@@ -414,7 +415,7 @@ class Attention(nn.Module):
 
 
 def _attention(units):
-    apply, params, _ = pardist.functional(Attention(), fsdp_units=units)
+    apply, params, _ = pardist.functional(Attention().double(), fsdp_units=units)
     out = []
     for shard in (False, True):
         p = pardist.fsdp(params) if shard else params

@@ -5,10 +5,13 @@ from __future__ import annotations
 import helpers
 import pytest
 import torch
+from numerics import assert_close64
 from torch import nn
 
 import pardist
 from pardist import CrossReplicaBatchNorm
+
+F64 = torch.float64  # both sides compute in float64, compared up to its rounding (numerics.py)
 
 
 def test_apply_is_pure_and_matches_the_module():
@@ -44,22 +47,22 @@ def test_later_changes_to_the_module_do_not_leak_in():
 
 
 def test_convert_batchnorm_keeps_names_and_state():
-    net = helpers.convnet()
+    net = helpers.convnet().double()
     state = net.state_dict()
     assert pardist.convert_batchnorm(net) is net
     assert sum(isinstance(m, CrossReplicaBatchNorm) for m in net.modules()) == 2
     assert list(net.state_dict()) == list(state)
     net.load_state_dict(state)
-    x = torch.randn(4, 1, 8, 8)
-    torch.testing.assert_close(net(x), helpers.convnet()(x))  # same outside a step
+    x = torch.randn(4, 1, 8, 8, dtype=F64)
+    assert_close64(net(x), helpers.convnet().double()(x), "outputs")  # same outside a step
 
 
 def _bn_layer(momentum):
     # a lone BatchNorm1d with momentum=None (cumulative average) and odd shard sizes
-    bn = nn.BatchNorm1d(3, momentum=momentum)
+    bn = nn.BatchNorm1d(3, momentum=momentum).double()
     apply, params, buffers = pardist.functional(bn)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(11, 3, generator=g) * 3 + 1
+    x = torch.randn(11, 3, generator=g, dtype=F64) * 3 + 1
     sizes = [4, 4, 3][: pardist.world_size()] if pardist.world_size() == 3 else None
     mine = x.split(sizes)[pardist.rank()] if sizes else x
     step = pardist.data_parallel(lambda p, b, x: apply(p, b, x), out_specs=(pardist.P("gpu"), None))
@@ -72,10 +75,9 @@ def _bn_layer(momentum):
 def test_cross_replica_statistics_over_uneven_shards(run, world1):
     out1, buffers1 = _bn_layer(None)
     got = run(3, _bn_layer, None)
-    torch.testing.assert_close(torch.cat([o for o, _ in got]), out1, rtol=1e-5, atol=1e-5)
+    assert_close64(torch.cat([o for o, _ in got]), out1, "outputs")
     for _, buffers in got:
-        for k in buffers1:
-            torch.testing.assert_close(buffers[k], buffers1[k], rtol=1e-5, atol=1e-6)
+        assert_close64(buffers, buffers1, "buffers")
 
 
 def _bf16_statistics():
@@ -92,10 +94,16 @@ def _bf16_statistics():
 def test_cross_replica_statistics_are_float32_under_bf16(run):
     # Around 100 bf16 keeps steps of 0.5: squared deviations summed in bf16 are far off.
     x = (torch.randn(64, 3, generator=torch.Generator().manual_seed(1)) + 100).to(torch.bfloat16)
-    expected = 0.9 + 0.1 * x.float().var(0)  # momentum 0.1 from ones, unbiased variance
+    var = x.double().var(0)  # exact but for float64's rounding: the bf16 values are exact
+    expected = 0.9 + 0.1 * var  # momentum 0.1 from ones, unbiased variance
+    # In float32, a variance of n = 64 values (about their mean, two passes or Welford's)
+    # is within (n + 3) 2^-24 var of the exact one; momentum takes a tenth of it, and the
+    # running variance (~1) is rounded after 0.9 * 1 and the sum: below 2^-22 more.
+    bound = 0.1 * 67 * 2.0**-24 * var + 2.0**-22
     for dtype, running_var in run(2, _bf16_statistics):
-        assert dtype == torch.bfloat16
-        torch.testing.assert_close(running_var, expected, rtol=1e-4, atol=1e-4)
+        assert dtype == torch.bfloat16 and running_var.dtype == torch.float32
+        err = (running_var.double() - expected).abs()
+        assert (err <= bound).all(), (err, bound)
 
 
 class _Counting(nn.Module):
@@ -114,10 +122,10 @@ class _Counting(nn.Module):
 
 def test_tied_weights_replaced_buffers_and_wrong_keys():
     torch.manual_seed(0)
-    net = _Counting()
+    net = _Counting().double()
     apply, params, buffers = pardist.functional(net)
     assert sorted(params) == ["a.bias", "a.weight", "b.bias"]  # the tied weight once
-    x = torch.randn(2, 3)
+    x = torch.randn(2, 3, dtype=F64)
     out, new = apply(params, buffers, x)
     torch.testing.assert_close(out, net(x), rtol=0, atol=0)
     assert float(new["calls"]) == 1.0 and float(buffers["calls"]) == 0.0
@@ -125,7 +133,7 @@ def test_tied_weights_replaced_buffers_and_wrong_keys():
     g = pardist.grad(lambda p: apply(p, buffers, x)[0].sum())(params)
     net.zero_grad()
     net(x).sum().backward()
-    torch.testing.assert_close(g["a.weight"], net.a.weight.grad)
+    assert_close64(g["a.weight"], net.a.weight.grad, "tied weight's gradient")
     with pytest.raises(KeyError, match=r"missing \['b.bias'\]; unexpected \['c'\]"):
         apply({**{k: v for k, v in params.items() if k != "b.bias"}, "c": x}, buffers, x)
 
@@ -134,9 +142,10 @@ def _in_grad(with_grad: bool):
     """The statistics made inside the differentiated function ride with the gradients."""
     import pardist.collectives._collectives as collectives
 
-    bn = nn.BatchNorm1d(3)
+    bn = nn.BatchNorm1d(3).double()
     apply, params, buffers = pardist.functional(bn, sync_bn=False)
-    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(pardist.rank())) + pardist.rank()
+    g = torch.Generator().manual_seed(pardist.rank())
+    x = torch.randn(8, 3, generator=g, dtype=F64) + pardist.rank()
     calls = []
     original = collectives._reduce
     collectives._reduce = lambda *a: calls.append(a) or original(*a)
@@ -161,6 +170,6 @@ def test_per_shard_statistics_are_averaged_without_a_collective_of_their_own(run
         results = run(2, _in_grad, with_grad)
         expected = (results[0][1] + results[1][1]) / 2  # the mean of each rank's own
         for running_mean, _, calls in results:
-            torch.testing.assert_close(running_mean, expected)
+            assert_close64(running_mean, expected, "running mean")
             # with pardist.grad, the buckets carry them; without, one coalesced mean
             assert calls == (0 if with_grad else 1)

@@ -6,10 +6,11 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 
 import pardist
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+F64 = torch.float64  # the gradients compared here are float64 (numerics.py)
 
 
 def loss(params, x, y):
@@ -17,10 +18,13 @@ def loss(params, x, y):
     return F.cross_entropy(h, y), h
 
 
+W_SHAPES = {"w1": (8, 5), "w2": (5, 4)}
+
+
 def data(n=24):
     g = torch.Generator().manual_seed(3)
-    params = {"w1": torch.randn(8, 5, generator=g), "w2": torch.randn(5, 4, generator=g)}
-    return params, torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+    params = {k: torch.randn(shape, generator=g, dtype=F64) for k, shape in W_SHAPES.items()}
+    return params, torch.randn(n, 8, generator=g, dtype=F64), torch.randint(0, 4, (n,), generator=g)
 
 
 def test_outside_a_step_equals_torch_func():
@@ -45,7 +49,7 @@ def test_accumulation_equals_one_pass_over_the_batch(world1):
         pardist.value_and_grad(f, accumulate=4, batch_argnums=(1, 2))(params, x, y),
         pardist.data_parallel(g)(params, batch),
     ):
-        torch.testing.assert_close(accumulated, whole, **TOL)
+        assert_close64(accumulated, whole, "accumulated")
     (_, aux), _ = pardist.value_and_grad(loss, has_aux=True, accumulate=3, batch_argnums=(1, 2))(
         params, x, y
     )
@@ -67,7 +71,7 @@ def test_accumulation_with_ranks_equals_one_process(run):
     params, x, y = data()
     value, g = pardist.value_and_grad(lambda p: loss(p, x, y)[0])(params)
     for v2, g2 in run(2, _accumulate_in_step, 3):
-        torch.testing.assert_close((v2, g2), (value, g), **TOL)
+        assert_close64((v2, g2), (value, g), "value and gradients")
 
 
 def _local_and_unused():
@@ -111,7 +115,7 @@ def test_gradient_buffers_are_never_reused_while_held(run):
 
 
 def _nested():
-    w, x = torch.tensor([0.5, -1.0]), torch.arange(8.0).reshape(4, 2) / 8
+    w, x = torch.tensor([0.5, -1.0], dtype=F64), torch.arange(8.0, dtype=F64).reshape(4, 2) / 8
     mine = x.chunk(2)[pardist.rank()]
     f = lambda w, x: (x @ w).pow(3).mean()  # noqa: E731
     step = pardist.data_parallel(
@@ -121,31 +125,45 @@ def _nested():
 
 
 def test_nested_transforms_fall_back_to_a_differentiable_mean(run):
-    w, x = torch.tensor([0.5, -1.0]), torch.arange(8.0).reshape(4, 2) / 8
+    w, x = torch.tensor([0.5, -1.0], dtype=F64), torch.arange(8.0, dtype=F64).reshape(4, 2) / 8
     f = lambda w, x: (x @ w).pow(3).mean()  # noqa: E731
     expected = torch.func.grad(lambda w: torch.func.grad(f)(w, x).sum())(w)
     for got in run(2, _nested):
-        torch.testing.assert_close(got, expected, **TOL)
+        assert_close64(got, expected, "second derivative")
 
 
 def _compressed(compression):
+    """The step's (mean) gradients, and this rank's own gradient, in float32."""
     apply, params, _ = pardist.functional(helpers.mlp())
     x, y = helpers.global_batch(0, "mlp")
     r = pardist.rank()
-    step = pardist.data_parallel(
-        lambda p, b: pardist.grad(lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0], y))(p, *b),
-        compression=compression,
-    )
-    return step(params, (x.chunk(2)[r], y.chunk(2)[r]))
+    loss = lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0], y)  # noqa: E731
+    step = pardist.data_parallel(lambda p, b: pardist.grad(loss)(p, *b), compression=compression)
+    mine = (x.chunk(2)[r], y.chunk(2)[r])
+    return step(params, mine), torch.func.grad(loss)(params, *mine)
+
+
+# Unit roundoff of the wire's dtype: 8 and 11 significant bits.
+ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_compressed_communication_is_close_to_full_precision(run, compression):
-    full = run(2, _compressed, None)[0]
-    for got in run(2, _compressed, compression):
-        for k in full:
-            err = (got[k] - full[k]).norm() / full[k].norm()
-            assert 0 < err < (1e-2 if compression == "bf16" else 1e-3), (k, float(err))
+    full = run(2, _compressed, None)
+    mean, local = full[0][0], [g for _, g in full]
+    u = ROUNDOFF[compression]
+    for got, _ in run(2, _compressed, compression):
+        for k in mean:
+            # The bound, element by element: each rank's half gradient is rounded to the
+            # wire's dtype (u of it), their sum is rounded once more (u of it): at most
+            # (2u + u^2) (|g0| + |g1|) / 2. 2.1u also covers the float32 rounding of the
+            # uncompressed mean (2^-24) and of recomputing g0, g1 here; fp16 adds 2^-25 a
+            # rounding below its smallest normal number (2^-14), where its steps are 2^-24.
+            terms = (local[0][k].abs() + local[1][k].abs()) / 2
+            bound = 2.1 * u * terms + (2.0**-24 if compression == "fp16" else 0.0)
+            err = (got[k] - mean[k]).abs()
+            assert (err <= bound).all(), (k, float((err - bound).max()))
+            assert err.max() > 0, k  # the wire's rounding shows: it was compressed
             assert got[k].dtype == torch.float32
 
 

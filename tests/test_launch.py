@@ -208,8 +208,9 @@ def _alive(pid: int) -> bool:
 def _launch_waiters(tmp_path) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "wait.py"
     script.write_text(_WAITER)
+    command = [sys.executable, "-m", "pardist.launch", "--nproc", "2", str(script)]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "pardist.launch", "--nproc", "2", str(script), str(tmp_path / "pid")],
+        [*command, str(tmp_path / "pid")],
         cwd=ROOT, env={**os.environ, "PARDIST_DEVICE": "cpu"}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

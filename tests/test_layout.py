@@ -4,7 +4,8 @@ torch's fused AdamW / SGD kernels walk parameter, gradient and state memory in
 step: a channels_last parameter with a contiguous gradient (or a gradient made
 non-contiguous by its backward, such as that of a transposed weight) used to get
 a silently wrong update. Checked against plain torch (``.backward()`` and
-``torch.optim``) in one process, at 1 and 2 ranks, on both transports.
+``torch.optim``) in one process, at 1 and 2 ranks, on both transports, in float64
+on both sides (compared up to float64 rounding: numerics.py).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 from torch import nn
 
 import pardist
 
 TRANSPORTS = {"shm": None, "gloo": {"PARDIST_SHM": "0"}}
-TOL = dict(rtol=1e-5, atol=1e-6)
+F64 = torch.float64
 
 
 class Transposed(nn.Module):
@@ -45,12 +47,13 @@ def model() -> nn.Module:
         nn.Tanh(),
         nn.Linear(16, 5),
     )
-    return net.to(memory_format=torch.channels_last)
+    return net.double().to(memory_format=torch.channels_last)
 
 
 def batch(step: int, n: int = 8):
     g = torch.Generator().manual_seed(10 + step)
-    x = torch.randn(n, 3, 8, 8, generator=g).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(n, 3, 8, 8, generator=g, dtype=F64)
+    x = x.contiguous(memory_format=torch.channels_last)
     return x, torch.randint(0, 5, (n,), generator=g)
 
 
@@ -116,8 +119,7 @@ def test_world_size_one(world1, opt_name):
     want = one_process(opt_name)
     got, layouts, same = on_ranks(opt_name)  # autograd.grad's own gradients
     assert all(layouts) and same  # gradients and new parameters keep the layout
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], **TOL)
+    assert_close64(got, want, "parameters")
     # Accumulated in the reducer's buckets (micro-batches change batch norm's
     # statistics, so only the layout is compared here).
     _, layouts, same = on_ranks(opt_name, accumulate=2)
@@ -130,16 +132,14 @@ def test_two_ranks(run, opt_name, transport):
     want = one_process(opt_name)
     for got, layouts, same in run(2, on_ranks, opt_name, env=TRANSPORTS[transport]):
         assert all(layouts) and same
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], **TOL)
+        assert_close64(got, want, "parameters")
 
 
 def test_sharded_optimizer_keeps_layouts(run):
     want = one_process("adamw")
     for got, _, same in run(2, on_ranks, "adamw", 3, True):
         assert same  # the all-gathered parameters are channels_last again
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], **TOL)
+        assert_close64(got, want, "parameters")
 
 
 def test_grad_outside_a_step_has_the_parameters_layout():
@@ -158,8 +158,11 @@ def test_optimizers_with_mismatched_layouts(opt_name):
     # Gradients and state in any layout: the update is torch's, element for element.
     # The state starts contiguous and non-zero (as one loaded from a checkpoint).
     torch.manual_seed(0)
-    p = torch.randn(4, 3, 2, 5)
-    grads = [torch.randn(4, 3, 2, 5), torch.randn(5, 2, 3, 4).permute(3, 2, 1, 0)] * 2
+    p = torch.randn(4, 3, 2, 5, dtype=F64)
+    grads = [
+        torch.randn(4, 3, 2, 5, dtype=F64),
+        torch.randn(5, 2, 3, 4, dtype=F64).permute(3, 2, 1, 0),
+    ] * 2
     reference = p.clone().requires_grad_()
     torch_opt = OPTIMIZERS[opt_name][1]([reference])
     opt = OPTIMIZERS[opt_name][0]()
@@ -171,7 +174,7 @@ def test_optimizers_with_mismatched_layouts(opt_name):
         params, state = opt.update({"w": g}, state, params)
         if i == 0:  # from now on the parameter is channels_last, its state is not
             params = {"w": params["w"].contiguous(memory_format=torch.channels_last)}
-        torch.testing.assert_close(params["w"], reference.detach(), **TOL)
+        assert_close64(params["w"], reference.detach(), f"step {i}")
 
 
 def test_the_models_gradients_are_not_laid_out_like_their_parameters_by_themselves():

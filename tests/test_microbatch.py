@@ -11,22 +11,23 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 
 import pardist
 from pardist import P
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+F64 = torch.float64  # both sides compute in float64, compared up to its rounding (numerics.py)
 TRANSPORTS = [pytest.param({}, id="shm"), pytest.param({"PARDIST_SHM": "0"}, id="gloo")]
 RANKS, ROWS, K, STEPS = 2, 8, 4, 2  # per-rank rows; micro-batches of 2 rows per rank
 
 
 def _shards(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = helpers.global_batch(step, "convnet", RANKS * ROWS)
+    x, y = helpers.global_batch(step, "convnet", RANKS * ROWS, dtype=F64)
     return list(zip(x.chunk(RANKS), y.chunk(RANKS)))
 
 
 def _pardist_accumulating(k: int):
-    apply, params, buffers = pardist.functional(helpers.convnet())  # sync batch norm
+    apply, params, buffers = pardist.functional(helpers.convnet().double())  # sync batch norm
     opt = pardist.optim.sgd(0.1, momentum=0.9)
 
     def loss_fn(params, buffers, x, y):  # the README's loss: two batch arguments, BN buffers
@@ -53,7 +54,7 @@ def _pardist_accumulating(k: int):
 
 def _torch_accumulating(k: int):
     """One process, plain torch: k backward passes of loss / k, then one optimizer step."""
-    model = helpers.convnet()
+    model = helpers.convnet().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for s in range(STEPS):
@@ -77,12 +78,11 @@ def test_accumulation_with_batch_norm_and_two_batch_arguments_equals_one_torch_p
     params1, buffers1, losses1, grads1 = _torch_accumulating(K)
     results = run(RANKS, _pardist_accumulating, K, env=env)
     for params, buffers, losses, grads in results:
-        for name in params1:
-            torch.testing.assert_close(grads[name], grads1[name], **TOL)
-            torch.testing.assert_close(params[name], params1[name].detach(), **TOL)
-        for name in buffers1:  # carried micro-batch to micro-batch: k updates per step
-            torch.testing.assert_close(buffers[name], buffers1[name], **TOL)
-        assert losses == pytest.approx(losses1, rel=1e-5)
+        assert_close64(grads, grads1, "gradients")
+        assert_close64(params, {k: v.detach() for k, v in params1.items()}, "parameters")
+        # carried micro-batch to micro-batch: k updates per step
+        assert_close64(buffers, buffers1, "buffers")
+        assert_close64(losses, losses1, "losses")
     for name in results[0][0]:  # replicas bit-identical
         assert torch.equal(results[0][0][name], results[1][0][name])
 
@@ -137,11 +137,14 @@ def loss3(params, t, x, y):
     return F.cross_entropy(h, y)
 
 
+W_SHAPES = {"w1": (8, 5), "w2": (5, 4)}
+
+
 def _data(n=24):
     g = torch.Generator().manual_seed(3)
-    params = {"w1": torch.randn(8, 5, generator=g), "w2": torch.randn(5, 4, generator=g)}
-    x, y = torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
-    t = torch.randn(2, 1, 5, generator=g)  # one per rank
+    params = {k: torch.randn(*shape, generator=g, dtype=F64) for k, shape in W_SHAPES.items()}
+    x, y = torch.randn(n, 8, generator=g, dtype=F64), torch.randint(0, 4, (n,), generator=g)
+    t = torch.randn(2, 1, 5, generator=g, dtype=F64)  # one per rank
     return params, t, x, y
 
 
@@ -181,10 +184,10 @@ def test_gradients_of_sharded_inputs_under_accumulation_are_the_local_ones(run, 
         x_r, y_r = rows[r]
         gx_local = torch.func.grad(lambda x: loss3(params, t[0], x, y_r))(x_r)  # noqa: B023
         gt_local = torch.func.grad(lambda t_: loss3(params, t_, x_r, y_r))(t[r])  # noqa: B023
-        torch.testing.assert_close(gx, gx_local, **TOL)
-        torch.testing.assert_close(gt, gt_local, **TOL)
-        torch.testing.assert_close(gp, global_grad([t[0], t[0]]), **TOL)
-        torch.testing.assert_close(gp2, global_grad(t), **TOL)
+        assert_close64(gx, gx_local, "x")
+        assert_close64(gt, gt_local, "t")
+        assert_close64(gp, global_grad([t[0], t[0]]), "params, x split")
+        assert_close64(gp2, global_grad(t), "params, t whole")
 
 
 def _errors():
@@ -242,4 +245,4 @@ def test_accumulation_outside_a_step_needs_the_batch_named():
     with pytest.raises(ValueError, match=r"cannot tell which of args\[1, 2, 3\].*batch_argnums"):
         pardist.grad(loss3, accumulate=2)(params, t[0], x, y)
     got = pardist.grad(loss3, accumulate=2, batch_argnums=(2, 3))(params, t[0], x, y)
-    torch.testing.assert_close(got, torch.func.grad(loss3)(params, t[0], x, y), **TOL)
+    assert_close64(got, torch.func.grad(loss3)(params, t[0], x, y), "gradients")

@@ -6,18 +6,24 @@ import math
 
 import pytest
 import torch
+from numerics import assert_close64
 
 import pardist
 from pardist import optim
 
 STEPS = 6
+SHAPES = {"w": (5, 3), "b": (3,)}
 
 
 def problem():
+    """float64 parameters and gradients: both optimizers' results are compared up to
+    float64 rounding (numerics.py)."""
     g = torch.Generator().manual_seed(0)
-    params = {"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)}
+    f64 = torch.float64
+    params = {k: torch.randn(shape, generator=g, dtype=f64) for k, shape in SHAPES.items()}
     grads = [
-        {k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(STEPS)
+        {k: torch.randn(v.shape, generator=g, dtype=f64) for k, v in params.items()}
+        for _ in range(STEPS)
     ]
     return params, grads
 
@@ -58,7 +64,7 @@ def test_sgd_equals_torch(kw, impl):
     params, grads = problem()
     ours, state = run_ours(optim.sgd(**kw, **impl), params, grads)
     theirs = run_torch(lambda p: torch.optim.SGD(p, **kw), params, grads)
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert_close64(ours, theirs, "parameters")
     assert int(state.count) == STEPS
 
 
@@ -76,10 +82,10 @@ def test_adamw_and_adam_equal_torch(kw, impl):
     params, grads = problem()
     ours, _ = run_ours(optim.adamw(**kw, **impl), params, grads)
     theirs = run_torch(lambda p: torch.optim.AdamW(p, **kw), params, grads)
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert_close64(ours, theirs, "parameters")
     ours, _ = run_ours(optim.adam(**kw, **impl), params, grads)
     theirs = run_torch(lambda p: torch.optim.Adam(p, **kw), params, grads)
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert_close64(ours, theirs, "parameters")
 
 
 def test_one_cycle_and_cosine_schedules_equal_torch_schedulers():
@@ -94,7 +100,7 @@ def test_one_cycle_and_cosine_schedules_equal_torch_schedulers():
             o, 0.05, total_steps=total, cycle_momentum=False
         ),
     )
-    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    assert_close64(ours, theirs, "parameters")
     sched = optim.cosine_decay(0.1, 4, alpha=0.1)
     ours, _ = run_ours(optim.sgd(sched, momentum=0.9), params, grads)
     theirs = run_torch(
@@ -111,7 +117,7 @@ def test_one_cycle_and_cosine_schedules_equal_torch_schedulers():
         grads[:4],
         lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, 4, eta_min=0.01),
     )
-    torch.testing.assert_close(ours4, theirs4, rtol=1e-6, atol=1e-7)
+    assert_close64(ours4, theirs4, "parameters")
 
 
 def test_schedule_shapes():
@@ -136,9 +142,7 @@ def test_chain_clips_like_clip_grad_norm():
             p.grad = g[k].clone()
         torch.nn.utils.clip_grad_norm_(list(tensors.values()), 0.5)
         opt.step()
-    torch.testing.assert_close(
-        ours, {k: v.detach() for k, v in tensors.items()}, rtol=1e-6, atol=1e-7
-    )
+    assert_close64(ours, {k: v.detach() for k, v in tensors.items()}, "parameters")
     clipped, _ = optim.clip_by_value(0.1).update({"a": torch.tensor([-1.0, 0.05])}, None)
     assert torch.equal(clipped["a"], torch.tensor([-0.1, 0.05]))
 

@@ -5,22 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 from torch import nn
 
 import pardist
 from pardist import optim
 
-TOL = dict(rtol=1e-5, atol=1e-6)
 
-
+# float64 models and batches: compared with torch up to float64 rounding (numerics.py)
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3)).double()
 
 
 def _batches(n: int = 5):
     g = torch.Generator().manual_seed(3)
-    return [(torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+    return [
+        tuple(torch.randn(8, k, generator=g, dtype=torch.float64) for k in (4, 3)) for _ in range(n)
+    ]
 
 
 def _labels(params: dict) -> dict:
@@ -84,8 +86,7 @@ def _reference():
 def test_parameter_groups_equal_torch_adamw_groups(run, nprocs, sharded):
     want = _reference()
     for got in run(nprocs, _train, sharded):
-        for k, v in want.items():
-            torch.testing.assert_close(got[k], v.detach(), **TOL)
+        assert_close64(got, {k: v.detach() for k, v in want.items()}, "parameters")
 
 
 def test_masked_parameters_are_not_updated():
@@ -123,8 +124,7 @@ def test_warmup_cosine_equals_lambda_lr_and_current_lr_follows_it():
         grads = pardist.grad(lambda p, x, y: F.mse_loss(apply(p, buffers, x)[0], y))(params, x, y)
         params, state = opt.update(grads, state, params)
     assert optim.step_count(state) == total
-    for k, v in model.named_parameters():
-        torch.testing.assert_close(params[k], v.detach(), **TOL)
+    assert_close64(params, {k: v.detach() for k, v in model.named_parameters()}, "parameters")
     # a warm-up from 0 at step 0, the peak after it, the end at total
     assert sched(0) == 0.0 and sched(warmup) == pytest.approx(peak) and sched(total) == 0.0
 

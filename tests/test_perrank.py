@@ -13,9 +13,11 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close64
 
 import pardist
 
+F64 = torch.float64  # both sides compute in float64, compared up to its rounding (numerics.py)
 TRANSPORTS = [pytest.param({}, id="shm"), pytest.param({"PARDIST_SHM": "0"}, id="gloo")]
 
 
@@ -24,8 +26,8 @@ def _loss_fn(apply):
 
 
 def _compressed_loss(compression):
-    apply, params, _ = pardist.functional(helpers.mlp())
-    x, y = helpers.global_batch(0, "mlp")
+    apply, params, _ = pardist.functional(helpers.mlp().double())
+    x, y = helpers.global_batch(0, "mlp", dtype=F64)
     r = pardist.rank()
     step = pardist.data_parallel(
         lambda p, b: pardist.value_and_grad(_loss_fn(apply))(p, *b)[0], compression=compression
@@ -35,16 +37,16 @@ def _compressed_loss(compression):
 
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_the_loss_keeps_full_precision_under_compression(run, compression):
-    model = helpers.mlp()
-    x, y = helpers.global_batch(0, "mlp")
-    # the mean of the two ranks' float32 losses, as one process computes them
+    model = helpers.mlp().double()
+    x, y = helpers.global_batch(0, "mlp", dtype=F64)
+    # the mean of the two ranks' losses, as one process computes them
     halves = [F.cross_entropy(model(xs), ys) for xs, ys in zip(x.chunk(2), y.chunk(2))]
-    expected = (halves[0].double() + halves[1].double()) / 2
+    expected = (halves[0] + halves[1]) / 2
     full = run(2, _compressed_loss, None)
     for loss, uncompressed in zip(run(2, _compressed_loss, compression), full):
-        assert loss.dtype == torch.float32
+        assert loss.dtype == F64
         assert torch.equal(loss, uncompressed)  # not rounded to the wire's 8 or 11 bits
-        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+        assert_close64(loss, expected, "loss")  # nor to float32's 24
 
 
 def _nonfinite(scaled: bool):
@@ -113,8 +115,8 @@ def _weighted_loss(apply):
 
 
 def _uneven(mean: str, counts: list, sharded: bool = False):
-    apply, params, _ = pardist.functional(helpers.mlp())
-    params["s"] = torch.tensor(0.1)
+    apply, params, _ = pardist.functional(helpers.mlp().double())
+    params["s"] = torch.tensor(0.1, dtype=F64)
     opt = pardist.optim.sgd(0.1)
     opt = pardist.optim.sharded(opt) if sharded else opt
 
@@ -126,7 +128,7 @@ def _uneven(mean: str, counts: list, sharded: bool = False):
 
     state, r, losses = opt.init(params), pardist.rank(), []
     for s, c in enumerate(counts):
-        x, y = helpers.global_batch(s, "mlp", sum(c))
+        x, y = helpers.global_batch(s, "mlp", sum(c), dtype=F64)
         start = sum(c[:r])
         batch = (x[start : start + c[r]], y[start : start + c[r]])
         params, state, loss = step(params, state, batch)
@@ -135,8 +137,8 @@ def _uneven(mean: str, counts: list, sharded: bool = False):
 
 
 def _torch_training(counts: list, mean: str):
-    model = helpers.mlp()
-    s = torch.nn.Parameter(torch.tensor(0.1))
+    model = helpers.mlp().double()
+    s = torch.nn.Parameter(torch.tensor(0.1, dtype=F64))
     opt = torch.optim.SGD([*model.parameters(), s], lr=0.1)
     losses = []
 
@@ -144,7 +146,7 @@ def _torch_training(counts: list, mean: str):
         return F.cross_entropy(model(x), y) * torch.exp(-s) + s
 
     for step, c in enumerate(counts):
-        x, y = helpers.global_batch(step, "mlp", sum(c))
+        x, y = helpers.global_batch(step, "mlp", sum(c), dtype=F64)
         opt.zero_grad()
         if mean == "rows":  # one process on the whole global batch
             loss = loss_fn(x, y)
@@ -161,28 +163,24 @@ def test_row_weighted_mean_of_uneven_shards_equals_one_process_on_the_whole_batc
     params1, losses1 = _torch_training(COUNTS, "rows")
     results = run(2, _uneven, "rows", COUNTS, env=env)
     for params, losses in results:
-        for k in params1:
-            torch.testing.assert_close(params[k], params1[k], rtol=1e-5, atol=1e-6)
-        assert losses == pytest.approx(losses1, rel=1e-5)
+        assert_close64(params, params1, "parameters")
+        assert_close64(losses, losses1, "losses")
     assert all(torch.equal(results[0][0][k], results[1][0][k]) for k in params1)
 
 
 def test_row_weighted_mean_with_a_sharded_optimizer(run):
     params1, losses1 = _torch_training(COUNTS[:4], "rows")
     for params, losses in run(2, _uneven, "rows", COUNTS[:4], True):
-        for k in params1:
-            got = params[k].full_tensor() if hasattr(params[k], "full_tensor") else params[k]
-            torch.testing.assert_close(got, params1[k], rtol=1e-5, atol=1e-6)
-        assert losses == pytest.approx(losses1, rel=1e-5)
+        assert_close64(params, params1, "parameters")  # sharded ones as full tensors
+        assert_close64(losses, losses1, "losses")
 
 
 def test_default_mean_over_ranks_is_ddps(run):
     counts = COUNTS[:4]  # no empty shard: its nan mean would spoil DDP's convention
     params1, losses1 = _torch_training(counts, "ranks")
     for params, losses in run(2, _uneven, "ranks", counts):
-        for k in params1:
-            torch.testing.assert_close(params[k], params1[k], rtol=1e-5, atol=1e-6)
-        assert losses == pytest.approx(losses1, rel=1e-5)
+        assert_close64(params, params1, "parameters")
+        assert_close64(losses, losses1, "losses")
 
 
 def test_equal_shards_give_the_same_bits_either_way(run):
@@ -195,8 +193,8 @@ def test_equal_shards_give_the_same_bits_either_way(run):
 
 
 def test_mean_option_errors(world1):
-    with pytest.raises(ValueError, match=r"mean='tokens'; use 'ranks' .* or 'rows'"):
-        pardist.grad(lambda w: w.sum(), mean="tokens")
+    with pytest.raises(ValueError, match=r"mean='token'; use 'ranks' .*, 'rows' .* or 'tokens'"):
+        pardist.grad(lambda w: w.sum(), mean="token")
 
 
 def _cubic(w, x):
@@ -205,17 +203,17 @@ def _cubic(w, x):
 
 def _nested_rows():
     counts, r = (3, 1), pardist.rank()
-    x = torch.arange(8.0).reshape(4, 2) / 8
+    x = torch.arange(8.0, dtype=F64).reshape(4, 2) / 8
     mine = x[sum(counts[:r]) : sum(counts[: r + 1])]
     inner = lambda w, x: pardist.grad(_cubic, mean="rows")(w, x).sum()  # noqa: E731
     step = pardist.data_parallel(lambda w, x: pardist.value_and_grad(inner)(w, x))
-    return step(torch.tensor([0.5, -1.0]), mine)
+    return step(torch.tensor([0.5, -1.0], dtype=F64), mine)
 
 
 def test_row_weighted_mean_nested_in_another_gradient(run):
     # The inner mean is differentiated once more: rows must be weighed once, not twice.
-    w, x = torch.tensor([0.5, -1.0]), torch.arange(8.0).reshape(4, 2) / 8
+    w, x = torch.tensor([0.5, -1.0], dtype=F64), torch.arange(8.0, dtype=F64).reshape(4, 2) / 8
     outer = lambda w: torch.func.grad(_cubic)(w, x).sum()  # noqa: E731
     for value, g in run(2, _nested_rows):
-        torch.testing.assert_close(value, outer(w))
-        torch.testing.assert_close(g, torch.func.grad(outer)(w))
+        assert_close64(value, outer(w), "value")
+        assert_close64(g, torch.func.grad(outer)(w), "gradient")

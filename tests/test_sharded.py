@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import assert_close64
 from torch.distributed.tensor import DTensor
 
 import pardist
 from pardist import P, optim
 
-TOL = dict(rtol=1e-5, atol=1e-6)
 STEPS = 8
+F64 = torch.float64  # both sides compute in float64, compared up to its rounding (numerics.py)
 
 
 def params():
     # sizes that do not divide by 2, 3 or 4
     g = torch.Generator().manual_seed(0)
     return {
-        "w1": torch.randn(37, 11, generator=g) / 6,
-        "b1": torch.randn(11, generator=g) / 6,
-        "w2": torch.randn(11, 5, generator=g) / 3,
-        "b2": torch.zeros(5),
-        "s": torch.ones(1),
+        "w1": torch.randn(37, 11, generator=g, dtype=F64) / 6,
+        "b1": torch.randn(11, generator=g, dtype=F64) / 6,
+        "w2": torch.randn(11, 5, generator=g, dtype=F64) / 3,
+        "b2": torch.zeros(5, dtype=F64),
+        "s": torch.ones(1, dtype=F64),
     }
 
 
@@ -32,7 +33,7 @@ def loss(p, x, y):
 
 def batch(step, rank, world):
     g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(24, 37, generator=g), torch.randint(0, 5, (24,), generator=g)
+    x, y = torch.randn(24, 37, generator=g, dtype=F64), torch.randint(0, 5, (24,), generator=g)
     return x.chunk(world)[rank], y.chunk(world)[rank]
 
 
@@ -78,8 +79,7 @@ def _compare(name, donate):
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_equals_the_unsharded_optimizer(run, nprocs, name):
     for reference, ours, kinds, plain, _ in run(nprocs, _compare, name, nprocs % 2 == 0):
-        for k in reference:
-            torch.testing.assert_close(ours[k], reference[k], **TOL)
+        assert_close64(ours, reference, "parameters")
         # ZeRO-2: inside the step, pardist.grad reduce-scattered into DTensor shards
         assert kinds == ({"DTensor"} if nprocs > 1 else {"Tensor"}) and plain == {"Tensor"}
 
@@ -120,7 +120,7 @@ def _zero1_from_full_gradients():
 
 def test_full_gradients_are_sharded_by_the_optimizer(run):
     for p1, p2 in run(2, _zero1_from_full_gradients):
-        torch.testing.assert_close(p1, p2, **TOL)
+        assert_close64(p1, p2, "parameters")
 
 
 def _save(path):
@@ -144,8 +144,7 @@ def test_checkpoint_reshards_to_another_world_size(run, tmp_path, load_at):
     # Reference: the same 3 + 2 steps with the unsharded optimizer and no checkpoint.
     start = run(2, _plain, 3)[0]
     expected = run(load_at, _continue, start, 2)[0]
-    for k in expected:
-        torch.testing.assert_close(resumed[0][k], expected[k], **TOL)
+    assert_close64(resumed[0], expected, "parameters")
 
 
 def _plain(steps):

@@ -8,9 +8,12 @@ import helpers
 import pytest
 import torch
 import torch.distributed as dist
+from numerics import assert_close64
 
 import pardist
 from pardist.transport._shm import SharedMemoryGroup
+
+F64 = torch.float64
 
 
 def _sums(numels):
@@ -71,8 +74,9 @@ def test_back_to_back_exchanges_never_overwrite_an_unread_value(run):
 
 
 def _grad_step():
-    """An MLP's parameters and a data-parallel step that returns their mean gradients."""
-    apply, params, _ = pardist.functional(helpers.mlp())
+    """An MLP's parameters (float64: the transports' results are compared up to float64
+    rounding, numerics.py) and a data-parallel step that returns their mean gradients."""
+    apply, params, _ = pardist.functional(helpers.mlp().double())
     step = pardist.data_parallel(
         lambda p, b: pardist.grad(
             lambda p, x, y: torch.nn.functional.cross_entropy(apply(p, {}, x)[0], y)
@@ -86,7 +90,7 @@ def _train(keep_on: int | None):
     params, step = _grad_step()
     r, kept, grads = pardist.rank(), None, []
     for s in range(2):
-        x, y = helpers.global_batch(s, "mlp")
+        x, y = helpers.global_batch(s, "mlp", dtype=F64)
         g = step(params, (helpers.shard(x, r, 2), helpers.shard(y, r, 2)))
         grads.append({k: v.clone() for k, v in g.items()})
         reducer = next(iter(step.reducers.values()))
@@ -112,8 +116,7 @@ def test_reducer_keeps_buckets_in_shared_memory(run):
     assert [r[2:] for r in staged] == [(False, True)] * 2
     for other in (gloo, staged):
         for a, b in zip(shm[0][0], other[0][0]):
-            for k in a:
-                torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+            assert_close64(a, b, "gradients")
     assert all(torch.equal(shm[0][0][1][k], shm[1][0][1][k]) for k in shm[0][0][1])
 
 
@@ -148,7 +151,7 @@ def test_a_rank_that_skips_times_out_with_a_clear_error(run):
 
 def _change_in_place_on_rank_1():
     params, step = _grad_step()
-    x, y = helpers.global_batch(0, "mlp")
+    x, y = helpers.global_batch(0, "mlp", dtype=F64)
     batch = (helpers.shard(x, pardist.rank(), 2), helpers.shard(y, pardist.rank(), 2))
     grads = step(params, batch)
     if pardist.rank() == 1:

@@ -10,19 +10,20 @@ loss as seen by this rank; a loss that varies over 'i' counts as its sum over
 from __future__ import annotations
 
 import torch
+from numerics import assert_close64
 
 import pardist
 from pardist import P
 
 N = 2  # ranks on axis 'i'
-TOL = dict(rtol=1e-6, atol=1e-6)
+F64 = torch.float64  # gradients in float64, compared up to its rounding (numerics.py)
 
 
 def inputs():
     g = torch.Generator().manual_seed(5)
-    xs = [torch.randn(3, generator=g) for _ in range(N)]  # rank r's block of x
-    ys = [torch.randn(3 * N, generator=g) for _ in range(N)]  # rank r's y
-    c = torch.randn(3 * N, generator=g)  # the same on every rank
+    xs = [torch.randn(3, generator=g, dtype=F64) for _ in range(N)]  # rank r's block of x
+    ys = [torch.randn(3 * N, generator=g, dtype=F64) for _ in range(N)]  # rank r's y
+    c = torch.randn(3 * N, generator=g, dtype=F64)  # the same on every rank
     return xs, ys, c
 
 
@@ -87,7 +88,7 @@ def _examples():
     # A replicated value indexed by a varying index (inside an index tuple) is lifted too.
     idx = torch.tensor([r, r + 1])
     out["index"] = mapped(lambda m, i: grad(lambda m: m[:, i].sum())(m), (P(), P("i")))(
-        torch.ones(2, 3 * N), idx
+        torch.ones(2, 3 * N, dtype=F64), idx
     )
     # Second order: the backward of psum (a pvary) transposes back into a psum.
     f = lambda x: pardist.pmean((x**3).sum(), "i")  # noqa: E731
@@ -98,7 +99,7 @@ def _examples():
 def one_hot_max(xs, r):
     """d pmax(max x) / d x on rank r: 1 at the global maximum, if rank r holds it."""
     top = max(range(N), key=lambda k: xs[k].max())
-    return torch.nn.functional.one_hot(xs[r].argmax(), 3).float() * (r == top)
+    return torch.nn.functional.one_hot(xs[r].argmax(), 3).to(F64) * (r == top)
 
 
 def all_to_all_grad(ys, r):
@@ -125,12 +126,14 @@ def test_jax_examples(run):
             "all_to_all": all_to_all_grad(ys, r),
             "torch.func": torch.cat([sum(xs), torch.zeros(3 * N - 3)]),
             "index": sum(
-                torch.zeros(3 * N).index_add_(0, torch.tensor([k, k + 1]), torch.ones(2))
+                torch.zeros(3 * N, dtype=F64).index_add_(
+                    0, torch.tensor([k, k + 1]), torch.ones(2, dtype=F64)
+                )
                 for k in range(N)
             ).expand(2, 3 * N),
         }
         for name, want in expected.items():
-            torch.testing.assert_close(got[name], want, **TOL, msg=f"{name} on rank {r}")
+            assert_close64(got[name], want, f"{name} on rank {r}")
 
 
 def _varying_output_replicated():

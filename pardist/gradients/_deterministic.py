@@ -39,7 +39,8 @@ def check_groups(groups: int, size: int, where: str) -> int:
 
         raise ValueError(
             f"{where}: deterministic={groups} row groups cannot be shared evenly by "
-            f"{size} rank{'s' * (size != 1)}: {groups} is not a multiple of {size}. Use a G that every world "
+            f"{size} rank{'s' * (size != 1)}: {groups} is not a multiple of {size}. Use a G "
+            "that every world "
             f"size you run at divides (e.g. deterministic={math.lcm(groups, size)})."
         )
     return groups // size
@@ -151,7 +152,8 @@ def _check_rows(call: Call, n: int, groups: int, ctx: StepContext, where: str) -
         total = rows * ctx.size
         raise ValueError(
             f"{where}: deterministic={groups} cuts the global batch into {groups} row groups, "
-            f"but this rank's {rows} rows (a global batch of {total} at {ctx.size} rank{'s' * (ctx.size != 1)}) "
+            f"but this rank's {rows} rows (a global batch of {total} at {ctx.size} "
+            f"rank{'s' * (ctx.size != 1)}) "
             f"cannot be cut into {n} equal groups. Use a global batch size that is a multiple "
             f"of {groups} (e.g. {-(-total // groups) * groups}), with drop_last=True in the "
             "loader, or another G."

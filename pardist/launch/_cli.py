@@ -319,12 +319,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     host, port = _split_endpoint(args.rdzv_endpoint, 29400)
     if args.rdzv_backend == "c10d" and port != 0 and sys.platform == "linux":
         _watch(host, port, patience=args.join_timeout)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from pardist.launch import _failures
     from pardist.transport import _segments
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
         run(args)

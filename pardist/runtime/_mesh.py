@@ -77,10 +77,36 @@ class Mesh:
             self.device_type, tuple(axes.values()), mesh_dim_names=tuple(axes)
         )
         self._flat: dict[tuple[str, ...], _process.GroupRef] = {}
+        self._whole = True  # spans every rank (else a part(): see group)
         for name, size in axes.items():  # so that a failed collective can name its axis
             if size > 1:
                 _faults.label_group(self._device_mesh.get_group(name), repr(name))
         _live.add(self)
+
+    def part(self, axis: AxisName) -> Mesh:
+        """This rank's part of the mesh along ``axis``: a mesh of those axes only.
+
+        For a step that runs within one slice of the mesh while something else spans the
+        other axes: on ``Mesh({'node': 2, 'gpu': 4})``, ``mesh.part('gpu')`` is this node's
+        4 ranks, where a :func:`pardist.data_parallel` step is data parallel within the
+        node (and ``pardist.diloco(..., axis='node')`` meets across nodes).
+
+        Example:
+            >>> import pardist
+            >>> _ = pardist.init()
+            >>> pardist.Mesh({'node': 1, 'gpu': -1}).part('gpu').shape
+            {'gpu': 1}
+            >>> pardist.shutdown()
+        """
+        names = self.axes(axis, "Mesh.part")
+        part = object.__new__(Mesh)
+        part.shape = {name: self.shape[name] for name in self.shape if name in names}
+        part.device_type = self.device_type
+        part._device_mesh = self.device_mesh[tuple(part.shape)]
+        part._flat = {}
+        part._whole = math.prod(part.shape.values()) == dist.get_world_size()
+        _live.add(part)
+        return part
 
     @property
     def device_mesh(self):
@@ -150,7 +176,7 @@ class Mesh:
                     f"pardist: axes {names} must be given in mesh order {ordered} "
                     "where a single group spanning them is needed."
                 )
-            if names == self.axis_names:
+            if names == self.axis_names and self._whole:
                 group = dist.group.WORLD
             else:
                 group = self.device_mesh[names]._flatten().get_group()

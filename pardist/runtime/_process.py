@@ -33,6 +33,7 @@ __all__ = [
     "world_size",
 ]
 
+
 def _die_with_launcher() -> None:
     """A rank of ``python -m pardist.launch`` is killed when the launcher dies.
 
