@@ -226,7 +226,11 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # an optional package: the table above is the result
+        print(f"(no plot: matplotlib is not installed; pip install matplotlib for {path})")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

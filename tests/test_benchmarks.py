@@ -76,3 +76,14 @@ def test_every_pardist_name_a_benchmark_reads_exists(path):
                 if not hasattr(obj, "__dict__") or isinstance(obj, type):
                     break  # a value or a class: attributes of instances are not checked
     assert not missing, f"{path.name} reads names pardist does not have: {sorted(set(missing))}"
+
+
+def test_a_missing_plotting_package_skips_the_plot_with_a_line(tmp_path, monkeypatch, capsys):
+    # vs_ddp.py raised at its plot without matplotlib, after printing its table.
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS[0].parent))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now fails
+    vs_ddp = importlib.import_module("vs_ddp")
+    vs_ddp.plot([], str(tmp_path / "plot.png"))
+    assert "no plot: matplotlib is not installed" in capsys.readouterr().out

@@ -66,6 +66,9 @@ def _different_shapes(odd_rank: int):
     )
 
 
+AXIS = r"the ranks of axis 'gpu'( / '\w+')*"
+
+
 @TRANSPORTS
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_collectives_with_different_shapes_raise_on_every_rank(run, nprocs, env):
@@ -78,7 +81,8 @@ def test_collectives_with_different_shapes_raise_on_every_rank(run, nprocs, env)
             (pmax, "pardist.pmax", "float32 (3,)", "float64 (3,)"),
         ):
             assert message is not None and "CollectiveMismatch" in message
-            assert "the ranks of axis 'gpu' are not in the same collective" in message
+            # (a group serving other meshes' axes too, over the same ranks, names them all)
+            assert re.search(AXIS + " are not in the same collective", message), message
             assert f"rank 0: {name} of {mine}" in message, message
             assert f"rank {odd}: {name} of {theirs}" in message, message
 
@@ -96,7 +100,7 @@ def _gradients_of_different_shapes():
 def test_gradient_layouts_that_differ_between_ranks_raise_at_the_reducer(run, env):
     for message in run(2, _gradients_of_different_shapes, env=env):
         assert message is not None and "CollectiveMismatch" in message
-        assert "pardist.grad: the ranks of axis 'gpu' differentiate different parameters" in message
+        assert re.search("pardist.grad: " + AXIS + " differentiate different parame", message)
         assert "a float32 (3,) gradient on rank 0 is float32 (5,) on rank 1" in message
 
 

@@ -205,10 +205,24 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def _launch_waiters(tmp_path) -> tuple[subprocess.Popen, list[int]]:
+LAUNCHERS = {
+    "pardist.launch": [sys.executable, "-m", "pardist.launch", "--nproc", "2"],
+    "torchrun": [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+    ],
+}
+
+
+def _launch_waiters(
+    tmp_path, launcher: str = "pardist.launch"
+) -> tuple[subprocess.Popen, list[int]]:
     script = tmp_path / "wait.py"
     script.write_text(_WAITER)
-    command = [sys.executable, "-m", "pardist.launch", "--nproc", "2", str(script)]
+    command = [*LAUNCHERS[launcher], str(script)]
     launcher = subprocess.Popen(
         [*command, str(tmp_path / "pid")],
         cwd=ROOT, env={**os.environ, "PARDIST_DEVICE": "cpu"}, stdout=subprocess.PIPE,
@@ -224,9 +238,10 @@ def _launch_waiters(tmp_path) -> tuple[subprocess.Popen, list[int]]:
 
 
 @pytest.mark.timeout(240)
-def test_ranks_die_with_a_killed_launcher(tmp_path):
-    # F6: torchrun's ranks outlive a kill -9 of the launcher (under PID 1); pardist's do not.
-    launcher, pids = _launch_waiters(tmp_path)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_ranks_die_with_a_killed_launcher(tmp_path, launcher):
+    # F6: ranks outlived a kill -9 of their launcher (under PID 1); pardist's ranks die too.
+    launcher, pids = _launch_waiters(tmp_path, launcher)
     launcher.kill()
     launcher.wait(30)
     deadline = time.monotonic() + 60

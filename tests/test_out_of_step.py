@@ -99,3 +99,27 @@ def _skip_together():
 
 def test_skipping_on_every_rank_together_keeps_them_in_step(run):
     assert run(2, _skip_together) == [3, 3]
+
+
+def _two_steps_of_one_function():
+    # A benchmark's pattern: the same function made into two steps (two models), called in
+    # turn. Rank 1 is slow between them: rank 0 waits in the second step's call 2 while
+    # rank 1 shows it has left the first step's call 2. Two steps, not ranks out of step.
+    import time
+
+    def train(p, x):
+        return pardist.grad(lambda p: (x @ p).square().mean())(p)
+
+    steps = [pardist.data_parallel(train), pardist.data_parallel(train)]
+    done = 0
+    for _ in range(3):
+        for step in steps:
+            step(torch.ones(3), torch.ones(4, 3))
+            done += 1
+            if pardist.rank() == 1:
+                time.sleep(0.3)  # rank 0 is then in the next step's collective, waiting
+    return done
+
+
+def test_two_steps_of_one_function_in_turn_are_not_out_of_step(run):
+    assert run(2, _two_steps_of_one_function, env={"PARDIST_TIMEOUT": TIMEOUT}) == [6, 6]

@@ -14,8 +14,8 @@ rank's batch norm normalizes by its own rows. They are two trainings on other gr
 of the same batches, and their held-out accuracies are compared within a bound derived
 from the number of held-out images (see ``_bound``).
 
-A port stopped part-way (its processes killed) and run again resumes from its last
-checkpoint and must end bit-identical to the run that was never stopped.
+A port stopped part-way (SIGTERM to torchrun, as a preemption sends) and run again
+resumes from its last checkpoint and must end bit-identical to a run never stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +60,17 @@ def _start(script: str, launcher: str, ckpt: Path) -> subprocess.Popen:
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
-            start_new_session=True,  # a process group of its own: torchrun and its ranks
         )
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, as a preemption sends: torchrun passes it on to its ranks and waits for them."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _finish(proc: subprocess.Popen, ckpt: Path) -> str:
@@ -70,7 +78,7 @@ def _finish(proc: subprocess.Popen, ckpt: Path) -> str:
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _stop(proc)
     assert proc.returncode == 0, out[-2000:] + ckpt.with_suffix(".err").read_text()[-3000:]
     return out
 
@@ -154,14 +162,14 @@ def test_a_stopped_port_resumes_and_ends_where_an_uninterrupted_run_does(runs, t
     ckpt = tmp_path / "ckpt"
     stopped = _start("pardist", "torchrun", ckpt)
     try:
-        for line in stopped.stdout:  # killed once epoch 2's checkpoint is saved
+        for line in stopped.stdout:  # stopped once epoch 2 is done and saved
             if line.startswith("epoch 2:"):
                 break
         else:
             pytest.fail("it ended before epoch 2:\n" + ckpt.with_suffix(".err").read_text())
-    finally:  # torchrun passes SIGTERM (a preemption's) on to its ranks, in sessions of their own
-        stopped.send_signal(signal.SIGTERM)
-        stopped.wait(timeout=60)
+    finally:
+        _stop(stopped)
+        stopped.stdout.close()
     resumed = _finish(_start("pardist", "torchrun", ckpt), ckpt)
     at = re.search(r"resumed from \S+ at epoch (\d)", resumed)
     assert at and 3 <= int(at[1]) < EPOCHS, resumed

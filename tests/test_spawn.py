@@ -149,7 +149,7 @@ a = torch.randn(512, 512)
 (a @ a).sum()  # the parent's OpenMP threads in use before the fork
 def f():
     b = torch.randn(512, 512)
-    return float((b @ b).sum() * 0)
+    return bool((b @ b).isfinite().all())
 print(pardist.spawn(f, 1, timeout=100))
 """
 
@@ -162,4 +162,4 @@ def test_a_forked_worker_runs_after_the_parent_computed(tmp_path):
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=200
     )
-    assert done.returncode == 0 and done.stdout.strip() == "0.0", done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]

@@ -84,7 +84,7 @@ def warmup_cosine(t: int) -> float:  # a factor of lr: 0 to 1 linearly, then a c
     return 0.5 * (1 + math.cos(math.pi * (min(t, steps) - args.warmup) / (steps - args.warmup)))
 
 
-schedule = lambda t: args.lr * 0.03 * warmup_cosine(t)  # LambdaLR's rate at update t
+schedule = lambda t: args.lr * warmup_cosine(t)  # LambdaLR's rate at update t
 group = lambda path, p: "decay" if p.ndim > 1 else "no_decay"  # biases and norms: no decay
 groups = {"decay": optim.adamw(schedule, weight_decay=0.05)}
 groups["no_decay"] = optim.adamw(schedule, weight_decay=0.0)
@@ -110,7 +110,6 @@ state = {"params": params, "buffers": buffers, "opt_state": opt.init(params)}
 state |= {"ls": scaler.init(), "ema": ema, "epoch": 0}
 state = pardist.checkpoint.resume(args.ckpt, state, total=args.epochs)  # an earlier run's, if any
 params, buffers, opt_state, ls, ema, start = state.values()
-opt_state = opt.init(params)
 
 
 def accuracy(params: dict, buffers: dict) -> float:
@@ -151,7 +150,7 @@ for epoch in range(start, args.epochs):
     acc, ema_acc = accuracy(params, buffers), accuracy(ema["params"], ema["buffers"])
     state = {"params": params, "buffers": buffers, "opt_state": opt_state}
     state |= {"ls": ls, "ema": ema, "epoch": epoch + 1}
-    pardist.checkpoint.save(args.ckpt, state, step=epoch + 1, keep=2)  # atomic; every rank
+    pardist.checkpoint.save(args.ckpt, state, step=epoch + 1, keep=2)  # all ranks; atomic
     lr = optim.current_lr(opt, opt_state)["decay"]  # the next update's, as get_last_lr()
     if rank == 0:
         print(

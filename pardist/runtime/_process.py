@@ -35,7 +35,7 @@ __all__ = [
 
 
 def _die_with_launcher() -> None:
-    """A rank of ``python -m pardist.launch`` is killed when the launcher dies.
+    """A rank of ``python -m pardist.launch`` (or of torchrun) is killed when the launcher dies.
 
     Linux's parent-death signal: without it a ``kill -9`` of the launcher (as of torchrun)
     leaves its ranks running under PID 1, holding their GPUs and ports. Only for the
@@ -43,12 +43,17 @@ def _die_with_launcher() -> None:
     before it got here exits at once.
     """
     launcher = os.environ.get("PARDIST_LAUNCHER_PID")
-    if launcher is None or not sys.platform.startswith("linux"):
+    torchrun = launcher is None and "TORCHELASTIC_RUN_ID" in os.environ
+    if (launcher is None and not torchrun) or not sys.platform.startswith("linux"):
         return
     import multiprocessing
 
     if multiprocessing.parent_process() is not None:
         return  # a worker of a rank (a DataLoader's): its parent is the rank
+    if torchrun:  # torchrun's agent is the parent (unless it is PID 1: a container's init)
+        if os.getppid() == 1:
+            return
+        launcher = str(os.getppid())
     if os.getppid() != int(launcher):
         if os.environ.get("LOCAL_RANK") is not None and os.getppid() == 1:
             os._exit(1)  # the launcher is gone already

@@ -33,11 +33,21 @@ from pardist.transport._shm import mark_step
 __all__ = ["key", "stepping"]
 
 
+_keyed: dict[str, int] = {}  # source place -> steps of it keyed so far in this process
+
+
 def key(where: str, fn) -> int:
-    """The step's 22-bit key, alike on every rank (from its name and its source line)."""
+    """A new step's 22-bit key, alike on every rank: from its name, its source line and
+    how many steps of that line were keyed before it. Two steps of one function (made
+    twice, or over two meshes) never share a key: a rank that has left a call of one
+    while another waits in the same-numbered call of the other is no rank out of step.
+    Keyed at a step's first call over several ranks, which every rank makes in the same
+    order (a step only one rank calls, over one rank, takes no key)."""
     code = getattr(fn, "__code__", None)
     place = f"{where}:{getattr(code, 'co_filename', '')}:{getattr(code, 'co_firstlineno', 0)}"
-    return int.from_bytes(hashlib.blake2b(place.encode(), digest_size=3).digest(), "little") >> 2
+    made = _keyed[place] = _keyed.get(place, -1) + 1
+    digest = hashlib.blake2b(f"{place}#{made}".encode(), digest_size=3).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 @contextlib.contextmanager

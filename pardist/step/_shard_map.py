@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _collectives, _vma
 from pardist.compile import _step
 from pardist.optim._sharded import ShardedState
-from pardist.runtime import _mesh, _rng, _tree
+from pardist.runtime import _mesh, _process, _rng, _tree
 from pardist.runtime._context import Ids, StepContext, debug_enabled, entered
 from pardist.step import _devices, _handshake, _replication, _specs
 from pardist.step._donation import Consumed
@@ -75,7 +75,7 @@ class Step:
         self.reducers: dict = {}
         self.calls = 0
         self.entered = 0  # calls begun, finished or not (see _handshake)
-        self.key = _handshake.key(self.where, fn)
+        self.key = None  # for the marks of its calls (see _handshake), at its first call
         self._groups: dict = {}
         self._specs_cache: dict = {}
         self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
@@ -182,13 +182,16 @@ class Step:
         mesh = self.mesh or _mesh.current_mesh(short)
         axes = self.data_axes(mesh)
         self.entered += 1
-        group = self._groups.get((id(mesh), axes), 0)
-        if group == 0:  # the process group over the data axes, where there is one
-            group = mesh.group(axes) if axes and mesh.size(axes) > 1 else None
-            self._groups[(id(mesh), axes)] = group
-        if group is None:
+        ref = self._groups.get((id(mesh), axes), 0)
+        if ref == 0:  # the process group over the data axes, where there is one (by name:
+            # a step kept past shutdown must not keep the group's threads alive)
+            ref = _process.GroupRef(mesh.group(axes)) if axes and mesh.size(axes) > 1 else None
+            self._groups[(id(mesh), axes)] = ref
+        if ref is None:
             return self._call(mesh, axes, args, kwargs)
-        with _handshake.stepping(group, self.key, self.entered, self.where):
+        if self.key is None:
+            self.key = _handshake.key(self.where, self.fn)
+        with _handshake.stepping(ref.get(), self.key, self.entered, self.where):
             return self._call(mesh, axes, args, kwargs)
 
     def _call(self, mesh, axes, args: tuple, kwargs: dict):
