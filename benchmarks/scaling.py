@@ -8,8 +8,8 @@ The model is benchmarks/scaling_model.py. Here:
 1. **Calibrate** its constants on this machine: each link's latency and bandwidth from
    all-reduces of 4 KiB to 16 MiB (shared memory and gloo at 2 ranks; gloo between two
    network namespaces joined by a veth pair limited to ``--rate`` Mbit/s, see
-   twonodes.py), the FLOP rate from one process's plain torch step (FLOPs counted by
-   torch's FlopCounterMode), and the overlap CPU ranks achieve from one data-parallel
+   twonodes.py), each net's FLOP rate from one process's plain torch step (FLOPs counted
+   by torch's FlopCounterMode), and the overlap CPU ranks achieve from one data-parallel
    step (mlp23m, 2 ranks, shared memory).
 2. **Check**: predicted against measured step time for the other configurations
    (data parallelism, ZeRO-2, FSDP on one host at 2 and 4 ranks, on gloo, and across the
@@ -157,15 +157,15 @@ def calibrate(rate: float) -> dict:
     shm, gloo = fit(on_host(sweep, 2), 2), fit(on_host(sweep, 2, shm=False), 2)
     with TwoNodes(rate) as nodes:
         veth = fit({int(k): v for k, v in nodes.run("scaling", "sweep", {}, 1).items()}, 2)
-    t_local = on_host(steps, 1, [("mlp23m", "local")])["mlp23m/local"]
-    rate_flops = flops("mlp23m") * NETS["mlp23m"][1] / t_local
-    machine = Cluster("this machine", rate_flops, 2, shm, veth, 1.0, cores=os.cpu_count())
+    local = on_host(steps, 1, [(net, "local") for net in NETS])  # one process, each net
+    rates = {net: flops(net) * NETS[net][1] / local[f"{net}/local"] for net in NETS}
+    machine = Cluster("this machine", rates["mlp23m"], 2, shm, veth, 1.0, cores=os.cpu_count())
     ddp = on_host(steps, 2, [("mlp23m", "ddp")])["mlp23m/ddp"]
     w = workload("mlp23m")
     full, none = (step_time(w, replace(machine, overlap=o), 2, Plan())["step"] for o in (1, 0))
     overlap = min(1.0, max(0.0, (none - ddp) / (none - full))) if none > full else 1.0
     return {"machine": asdict(replace(machine, overlap=overlap)), "gloo": asdict(gloo),
-            "fitted_on": {"local": t_local, "ddp": ddp}}  # fmt: skip
+            "flops": rates, "fitted_on": {"ddp": ddp}}  # fmt: skip
 
 
 def workload(name: str) -> Workload:
@@ -205,11 +205,11 @@ def check(cal: dict, rate: float) -> list[dict]:
         measured |= {(where, ranks, *k.split("/")): v for k, v in got.items()}
     rows = []
     for (where, ranks, net, mode), seconds in measured.items():
-        c = machine
+        c = replace(machine, flops=cal["flops"][net], per_node=ranks)  # the net's own rate
         if where == "gloo":
-            c = replace(machine, intra=Link(**cal["gloo"]))
+            c = replace(c, intra=Link(**cal["gloo"]))
         if where == "2 nodes":
-            c = replace(machine, per_node=ranks // 2)
+            c = replace(c, per_node=ranks // 2)
         plan = Plan(mode, every=8) if mode == "diloco" else Plan(mode)
         model = step_time(workload(net), c, ranks, plan)
         rows.append({"where": where, "ranks": ranks, "net": net, "mode": mode,
@@ -220,10 +220,10 @@ def check(cal: dict, rate: float) -> list[dict]:
 # -- projections to GPU clusters (constants from vendors' figures, stated in docs/scaling.md)
 
 GB = 1e9
-H100 = Cluster("H100, 8 per node, NVLink, 400 Gb/s per GPU", 0.4 * 989e12, 8,
-               Link(10e-6, 360 * GB), Link(20e-6, 45 * GB))  # fmt: skip
+H100 = Cluster("H100, 8 per node, NVLink, 8 x 400 Gb/s per node", 0.4 * 989e12, 8,
+               Link(5e-6, 450 * GB), Link(10e-6, 340 * GB))  # fmt: skip
 V100 = Cluster("V100, 8 per node, NVLink, 100 Gb/s per node", 12.3e9 * 380, 8,
-               Link(10e-6, 120 * GB), Link(25e-6, 11 * GB))  # fmt: skip
+               Link(5e-6, 120 * GB), Link(10e-6, 11 * GB))  # fmt: skip
 LLAMA8B = Workload("Llama 3 8B, 8192 tokens per GPU", 8.03e9,
                    6 * 8.03e9 + 12 * 32 * 4096 * 8192, 8192, units=32, param_bytes=2)  # fmt: skip
 RESNET50 = Workload("ResNet-50, 32 images per GPU", 25.6e6, 12.3e9, 32, units=16)
@@ -272,9 +272,8 @@ def tables(cal: dict | None, rows: list[dict] | None, proj: list[dict], pub: lis
         for name, link in (("shared memory", m["intra"]), ("gloo, one host", cal["gloo"]),
                            ("gloo, two namespaces (tbf)", m["inter"])):  # fmt: skip
             out.append(f"| {name} | {link['alpha'] * 1e6:.0f} | {link['beta'] / 1e6:.0f} |")
-        out.append(
-            f"\nFLOP rate {m['flops'] / 1e9:.1f} GFLOP/s per rank; overlap {m['overlap']:.2f}\n"
-        )
+        rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in cal["flops"].items())
+        out.append(f"\nGFLOP/s per rank: {rates}; overlap {m['overlap']:.2f}\n")
     if rows:
         out += ["| where | ranks | net | mode | measured ms | model ms | model/measured |"
                 " compute | exposed |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

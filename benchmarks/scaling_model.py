@@ -6,11 +6,13 @@ batch is fixed as the world grows). Its parts:
 - **compute**: ``flops_per_sample * batch / flops``, a third forward and two thirds
   backward; processes beyond a node's cores share them (CPU ranks only).
 - **collectives**: alpha-beta costs, ``alpha`` per message step and ``beta`` bytes/s.
-  All-reduce moves ``2 (n-1)/n`` of the bytes (a ring's bandwidth) in ``2 log2 n`` steps
-  (a tree's latency: NCCL takes the better of the two); reduce-scatter and all-gather
-  half of that each. A collective over ranks of one node runs on the ``intra`` link,
-  over ranks of several nodes on the ``inter`` link (each GPU's own NIC, as on H100
-  nodes).
+  All-reduce is the better of a ring (``2 (n-1)/n`` of the bytes in ``2 (n-1)`` steps)
+  and a tree (twice the bytes in ``2 log2 n`` steps), as NCCL picks; reduce-scatter and
+  all-gather are rings (``(n-1)/n`` of the bytes, ``n-1`` steps: NCCL has no tree for
+  them, so their latency grows with the world). A collective over ranks of one node runs
+  on the ``intra`` link; over several nodes on the ``inter`` link, whose ``beta`` is a
+  node's whole bandwidth out (all its NICs), shared by the collectives that cross it at
+  once (HSDP's and DiLoCo's: one group per rank of a node).
 - **overlap**: gradient buckets (``first_bucket_bytes``, then ``bucket_bytes``, as
   pardist's reducer fills them in the backward) reduce as they fill, one after another;
   what ends after the backward is exposed. ``overlap`` is the fraction of that hiding a
@@ -49,17 +51,24 @@ class Link:
     beta: float
 
     def all_reduce(self, nbytes: float, n: int) -> float:
+        """The better of a ring (bandwidth-optimal) and a tree (log-latency), as NCCL picks."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return 2 * (n - 1) / n * nbytes / self.beta + 2 * math.ceil(math.log2(n)) * self.alpha
+        ring = 2 * (n - 1) / n * nbytes / self.beta + 2 * (n - 1) * self.alpha
+        tree = 2 * nbytes / self.beta + 2 * math.ceil(math.log2(n)) * self.alpha
+        return min(ring, tree)
 
     def reduce_scatter(self, nbytes: float, n: int) -> float:
-        """``nbytes``: the whole tensor; each rank ends with ``nbytes / n``."""
+        """A ring (NCCL has no tree for it): ``nbytes`` the whole, each rank keeps 1/n."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return (n - 1) / n * nbytes / self.beta + math.ceil(math.log2(n)) * self.alpha
+        return (n - 1) / n * nbytes / self.beta + (n - 1) * self.alpha
 
     all_gather = reduce_scatter  # ``nbytes``: the whole gathered tensor
+
+    def shared(self, ways: int) -> Link:
+        """The link as each of ``ways`` collectives that cross it at once sees it."""
+        return Link(self.alpha, self.beta / max(1, ways))
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,8 @@ def step_time(w: Workload, c: Cluster, n: int, plan: Plan) -> dict:
     mode = plan.mode
     if mode == "diloco":  # the inner steps: data parallelism within a node
         inner = step_time(w, replace(c, per_node=local), local, replace(plan, mode="ddp"))
-        meet = c.inter.all_gather(weights * nodes, nodes) / plan.every if nodes > 1 else 0.0
+        across = c.inter.shared(local)  # every rank of a node gathers all the replicas
+        meet = across.all_gather(weights * nodes, nodes) / plan.every if nodes > 1 else 0.0
         comm = inner["comm"] + meet
         exposed = inner["exposed"] + meet
     elif mode in ("ddp", "zero"):
@@ -144,7 +154,8 @@ def step_time(w: Workload, c: Cluster, n: int, plan: Plan) -> dict:
         over, ranks = (c.intra, local) if mode == "hsdp" else (link, n)
         gather = over.all_gather(weights / w.units, ranks)
         scatter = over.reduce_scatter(grads / w.units, ranks)
-        across = c.inter.all_reduce(grads / w.units / ranks, nodes) if mode == "hsdp" else 0.0
+        shard = grads / w.units / ranks  # each rank's, over its own group across the nodes
+        across = c.inter.shared(local).all_reduce(shard, nodes) if mode == "hsdp" else 0.0
         f, b = forward / w.units, backward / w.units
         hidden = lambda t, work: max(work, t) * c.overlap + (work + t) * (1 - c.overlap)  # noqa: E731
         run = gather + w.units * hidden(gather, f)  # the first gather waits

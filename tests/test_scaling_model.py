@@ -19,12 +19,17 @@ MB = 2**20
 LINK = Link(alpha=1e-5, beta=1e9)
 
 
-def test_collectives_are_a_ring_s_bytes_and_a_tree_s_steps():
-    # 8 ranks, 64 MiB: a ring all-reduce moves 2 * 7/8 of the bytes; 2 * log2(8) = 6 steps
-    assert LINK.all_reduce(64 * MB, 8) == pytest.approx(2 * 7 / 8 * 64 * MB / 1e9 + 6e-5)
-    assert LINK.reduce_scatter(64 * MB, 8) == pytest.approx(7 / 8 * 64 * MB / 1e9 + 3e-5)
-    assert LINK.all_gather(64 * MB, 5) == pytest.approx(4 / 5 * 64 * MB / 1e9 + 3e-5)
+def test_collectives_are_rings_and_all_reduce_the_better_of_a_ring_and_a_tree():
+    # 8 ranks, 64 MiB: a ring all-reduce moves 2 * 7/8 of the bytes in 2 * 7 steps; a
+    # tree twice the bytes in 2 * log2(8) = 6 steps: here the ring is faster
+    ring = 2 * 7 / 8 * 64 * MB / 1e9 + 14e-5
+    assert LINK.all_reduce(64 * MB, 8) == pytest.approx(ring)
+    # 1024 ranks, 64 KiB: the ring's 2046 latency steps lose to the tree's 20
+    assert LINK.all_reduce(64 * 1024, 1024) == pytest.approx(2 * 64 * 1024 / 1e9 + 20e-5)
+    assert LINK.reduce_scatter(64 * MB, 8) == pytest.approx(7 / 8 * 64 * MB / 1e9 + 7e-5)
+    assert LINK.all_gather(64 * MB, 5) == pytest.approx(4 / 5 * 64 * MB / 1e9 + 4e-5)
     assert LINK.all_reduce(64 * MB, 1) == 0.0
+    assert LINK.shared(4).all_gather(64 * MB, 2) == pytest.approx(4 * 64 * MB / 2 / 1e9 + 1e-5)
 
 
 def _cluster(overlap=1.0, per_node=8, inter=LINK):
@@ -41,7 +46,7 @@ def test_one_rank_is_its_compute_alone():
 
 def test_buckets_overlap_the_backward_and_only_the_tail_shows():
     # 40 MiB of gradients: buckets of 1, 25, 14 MiB, ready at 1/40, 26/40, 40/40 of the 0.2 s
-    # backward; each all-reduce at 2 ranks takes its bytes / 1e9 + 2 alpha. They run in order,
+    # backward; each all-reduce at 2 ranks takes its bytes / 1e9 + 2 alpha (ring). In order,
     # so the last one starts when the backward ends: exposed = its own time.
     times = [s * MB / 1e9 + 2e-5 for s in (1, 25, 14)]
     r = step_time(W, _cluster(), 2, Plan())
@@ -67,14 +72,16 @@ def test_hsdp_crosses_nodes_with_a_shard_and_diloco_every_h_steps():
     hsdp = step_time(W, c, 4, Plan("hsdp"))
     unit = 40 * MB / 4
     want = 4 * (2 * LINK.all_gather(unit, 2) + LINK.reduce_scatter(unit, 2))
-    want += 4 * slow.all_reduce(unit / 2, 2)  # each unit's shard, across the 2 nodes
+    # each unit's shard, across the 2 nodes: both ranks of a node at once, sharing its link
+    want += 4 * (2 * 1 / 2 * unit / 2 / (1e8 / 2) + 2e-4)
     assert hsdp["comm"] == pytest.approx(want)
     fsdp = step_time(W, c, 4, Plan("fsdp"))  # every gather over the slow link
     assert fsdp["exposed"] > hsdp["exposed"]
     for h in (1, 8):
         d = step_time(W, c, 4, Plan("diloco", every=h))
         inner = step_time(W, _cluster(per_node=2), 2, Plan())
-        meet = slow.all_gather(2 * 40 * MB, 2) / h  # each node's float32 params, gathered
+        # each node's float32 params, gathered by both ranks of a node at once
+        meet = (1 / 2 * 2 * 40 * MB / (1e8 / 2) + 1e-4) / h
         assert d["exposed"] == pytest.approx(inner["exposed"] + meet)
 
 
