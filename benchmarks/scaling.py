@@ -228,10 +228,12 @@ LLAMA8B = Workload("Llama 3 8B, 8192 tokens per GPU", 8.03e9,
                    6 * 8.03e9 + 12 * 32 * 4096 * 8192, 8192, units=32, param_bytes=2)  # fmt: skip
 RESNET50 = Workload("ResNet-50, 32 images per GPU", 25.6e6, 12.3e9, 32, units=16)
 WORLDS = [8, 16, 32, 64, 128, 256, 512, 1024]
+SITES = Cluster("H100 nodes between sites, 100 Gb/s and 1 ms per node", 0.4 * 989e12, 8,
+                Link(5e-6, 450 * GB), Link(1e-3, 11 * GB))  # fmt: skip
 PLANS = {
     "ddp": Plan("ddp"), "ddp, bf16 gradients": Plan("ddp", grad_bytes=2),
     "zero": Plan("zero"), "fsdp": Plan("fsdp", grad_bytes=4), "hsdp": Plan("hsdp"),
-    "diloco H=32": Plan("diloco", every=32),
+    "diloco H=32": Plan("diloco", every=32), "diloco H=128": Plan("diloco", every=128),
 }  # fmt: skip
 PUBLISHED = [  # (cluster, workload, plan, gpus, what was published, its value)
     (H100, LLAMA8B, "fsdp", 8, "torchtitan: tokens/s per GPU, FSDP, bf16", 5762.0),
@@ -241,7 +243,8 @@ PUBLISHED = [  # (cluster, workload, plan, gpus, what was published, its value)
 
 def project() -> list[dict]:
     rows = []
-    runs = [(H100, LLAMA8B, ["fsdp", "hsdp", "ddp", "diloco H=32"])]
+    runs = [(H100, LLAMA8B, ["fsdp", "hsdp", "diloco H=32"])]
+    runs += [(SITES, LLAMA8B, ["fsdp", "hsdp", "diloco H=32", "diloco H=128"])]
     runs += [(V100, RESNET50, ["ddp", "ddp, bf16 gradients", "zero"])]
     for cluster, w, plans in runs:
         for name in plans:
@@ -285,9 +288,9 @@ def tables(cal: dict | None, rows: list[dict] | None, proj: list[dict], pub: lis
                 f"{r['exposed'] * 1e3:.1f} |"
             )
         out.append("")
-    for w in sorted({r["workload"] for r in proj}):
-        sel = [r for r in proj if r["workload"] == w]
-        out += [f"{w} on {sel[0]['cluster']}: scaling efficiency (compute / step)\n",
+    for w, where in dict.fromkeys((r["workload"], r["cluster"]) for r in proj):
+        sel = [r for r in proj if (r["workload"], r["cluster"]) == (w, where)]
+        out += [f"{w} on {where}: scaling efficiency (compute / step)\n",
                 "| plan | " + " | ".join(map(str, WORLDS)) + " |",
                 "|---|" + "---|" * len(WORLDS)]  # fmt: skip
         for plan in dict.fromkeys(r["plan"] for r in sel):
@@ -308,14 +311,16 @@ def plot(proj: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({r["workload"] for r in proj})
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4))
-    for ax, w in zip(axes, names):
-        sel = [r for r in proj if r["workload"] == w]
+    panels = list(dict.fromkeys((r["workload"], r["cluster"]) for r in proj))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
+    for ax, (w, where) in zip(axes, panels):
+        sel = [r for r in proj if (r["workload"], r["cluster"]) == (w, where)]
         for plan in dict.fromkeys(r["plan"] for r in sel):
             pts = [(r["gpus"], r["efficiency"]) for r in sel if r["plan"] == plan]
             ax.plot(*zip(*pts), marker="o", label=plan)
-        ax.set(xscale="log", xlabel="GPUs", ylabel="scaling efficiency", ylim=(0, 1.05), title=w)
+        title = f"{w}\n{where}"
+        ax.set(xscale="log", xlabel="GPUs", ylabel="scaling efficiency", ylim=(0, 1.05))
+        ax.set_title(title, fontsize=9)
         ax.set_xticks(WORLDS, [str(n) for n in WORLDS])
         ax.legend()
     fig.tight_layout()
@@ -333,7 +338,8 @@ def main() -> None:
     if args.project_only:
         if os.path.exists(path):
             with open(path) as f:
-                cal, rows = (json.load(f)[k] for k in ("calibration", "checks"))
+                saved = json.load(f)
+            cal, rows = saved["calibration"], saved["checks"]
     else:
         t = time.time()
         cal = calibrate(args.rate)
