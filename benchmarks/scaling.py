@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from scaling_model import Cluster, Link, Plan, Workload, step_time
-from vs_ddp import interleaved_ms, mlp
+from vs_ddp import interleaved_ms, mlp, torch_step
 
 import pardist
 from pardist.transport import _shmgroups
@@ -73,14 +73,7 @@ def _step(name: str, mode: str, every: int = 8):
     net = mlp(*NETS[name][0])
     x, y = _batch(name)
     if mode == "local":  # plain torch: the compute the model is calibrated on
-        opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
-
-        def local():
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
-
-        return local
+        return torch_step(net, x, y)
     apply, params, _ = pardist.functional(net)
     sgd = pardist.optim.sgd(1e-3, momentum=0.9)
     nodes = int(os.environ.get("PARDIST_BENCH_NODES", "1"))

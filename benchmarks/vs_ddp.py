@@ -98,17 +98,9 @@ def variants(name: str, world: int, overlap: str = "on"):
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
     out = {}
 
-    def torch_step(net, opt):
-        def step():
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(net(x), y).backward()
-            opt.step()
-
-        return step
-
     torch.manual_seed(0)
     local = make().to(device)
-    out["local"] = torch_step(local, torch.optim.SGD(local.parameters(), lr=1e-3, momentum=0.9))
+    out["local"] = torch_step(local, x, y)
     flat = torch.zeros(sum(p.numel() for p in local.parameters()), device=device)
     out["allreduce"] = lambda: dist.all_reduce(flat)
     # pardist's transport, measured directly (an internal: there is no public
@@ -122,8 +114,7 @@ def variants(name: str, world: int, overlap: str = "on"):
         ddp = nn.parallel.DistributedDataParallel(make().to(device))
         if hook is not None:
             ddp.register_comm_hook(None, hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3, momentum=0.9)
-        out["ddp" if hook is None else "ddp_half"] = torch_step(ddp, opt)
+        out["ddp" if hook is None else "ddp_half"] = torch_step(ddp, x, y)
     for compression in (None, half):
         torch.manual_seed(0)
         run = pardist_step(
@@ -131,6 +122,19 @@ def variants(name: str, world: int, overlap: str = "on"):
         )
         out["pardist" if compression is None else "pardist_half"] = run
     return out
+
+
+def torch_step(net: nn.Module, x, y, opt=None):
+    """Plain torch's training step on ``(x, y)`` as a function of nothing: forward,
+    backward, ``opt.step()`` (SGD with momentum, as pardist_step's, unless ``opt`` is given)."""
+    opt = opt or torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    return step
 
 
 def pardist_step(net: nn.Module, x, y, sync_bn: bool = False, compile_loss=False, **options):
