@@ -29,8 +29,9 @@ The modes, as pardist runs them (docs/sharding.md):
   of each unit waits in the backward.
 - ``hsdp``: fsdp within a node; each unit's gradient shard is then all-reduced across
   nodes (exposed, as pardist does it in the backward).
-- ``diloco``: ddp within a node; every ``every`` steps the replicas across nodes
-  all-gather their parameters (float32) for the mean, exposed, amortised over the steps.
+- ``diloco``: ddp within a node; every ``every`` steps each rank of a node all-gathers
+  its 1/k of the float32 parameters across the nodes and the node all-gathers the k
+  means: exposed, amortised over the steps.
 """
 
 from __future__ import annotations
@@ -138,8 +139,10 @@ def step_time(w: Workload, c: Cluster, n: int, plan: Plan) -> dict:
     mode = plan.mode
     if mode == "diloco":  # the inner steps: data parallelism within a node
         inner = step_time(w, replace(c, per_node=local), local, replace(plan, mode="ddp"))
-        across = c.inter.shared(local)  # every rank of a node gathers all the replicas
-        meet = across.all_gather(weights * nodes, nodes) / plan.every if nodes > 1 else 0.0
+        # each rank of a node gathers its 1/local of the float32 params across the nodes
+        # (all at once, sharing the node's link), then the node gathers the means
+        part = c.inter.shared(local).all_gather(4 * w.params / local * nodes, nodes)
+        meet = (part + c.intra.all_gather(4 * w.params, local)) / plan.every if nodes > 1 else 0
         comm = inner["comm"] + meet
         exposed = inner["exposed"] + meet
     elif mode in ("ddp", "zero"):

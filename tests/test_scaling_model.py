@@ -80,8 +80,10 @@ def test_hsdp_crosses_nodes_with_a_shard_and_diloco_every_h_steps():
     for h in (1, 8):
         d = step_time(W, c, 4, Plan("diloco", every=h))
         inner = step_time(W, _cluster(per_node=2), 2, Plan())
-        # each node's float32 params, gathered by both ranks of a node at once
-        meet = (1 / 2 * 2 * 40 * MB / (1e8 / 2) + 1e-4) / h
+        # each rank's half of the float32 params gathered across the 2 nodes (both ranks of
+        # a node at once, sharing its link), then the halves gathered within the node
+        across = 1 / 2 * (2 * 20 * MB) / (1e8 / 2) + 1e-4
+        meet = (across + LINK.all_gather(40 * MB, 2)) / h
         assert d["exposed"] == pytest.approx(inner["exposed"] + meet)
 
 

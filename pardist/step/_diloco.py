@@ -186,18 +186,37 @@ def _check_params(params: Any, where: str) -> None:
 
 
 def _replica_mean(params: Any, axis: str, where: str) -> Any:
-    """The mean over the replicas, each leaf's rows added in replica order (exact)."""
-    size = _mesh.current_mesh(where).size(axis, where)
+    """The mean over the replicas, each element's values added in replica order (exact).
+
+    The ranks of one replica (the mesh's other axes, over which its parameters are
+    replicated) split the work: each gathers only its 1/k of every parameter across the
+    replicas, adds it up, and the replica's ranks then all-gather their means. Between
+    replicas (the slow link) each parameter crosses once per replica, not k times.
+    """
+    mesh = _mesh.current_mesh(where)
+    size = mesh.size(axis, where)
     if size == 1:
         return _tree.tree_map(_copy, params)
+    within = tuple(name for name in mesh.shape if name != axis)
+    k = mesh.size(within) if within else 1
+    mine = mesh.index(within) if within else 0
     leaves, treedef = _tree.tree_flatten(params)
-    gathered = all_gather([t.detach().reshape(1, -1) for t in leaves], axis)
-    out = []
-    for t, every in zip(leaves, gathered):
+    width = [-(-t.numel() // k) for t in leaves]  # each rank's slice (the last one padded)
+    slices = []
+    for t, w in zip(leaves, width):
+        flat = t.detach().reshape(-1)
+        if w * k != flat.numel():
+            flat = torch.cat([flat, flat.new_zeros(w * k - flat.numel())])
+        slices.append(flat[mine * w : (mine + 1) * w].reshape(1, w))
+    means = []
+    for every in all_gather(slices, axis):  # (replicas, w) each: added in replica order
         total = every[0].clone()
         for row in every[1:]:
             total.add_(row)
-        out.append(total.div_(size).view(t.shape))
+        means.append(total.div_(size).reshape(1, -1))
+    if k > 1:
+        means = all_gather(means, within)  # (k, w) each: the replica's slices in order
+    out = [m.reshape(-1)[: t.numel()].view(t.shape).clone() for t, m in zip(leaves, means)]
     return _tree.tree_unflatten(out, treedef)
 
 
