@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 import pardist
 from pardist import P
-from pardist.collectives import _collectives, _vma
+from pardist.collectives import _vma
 from pardist.step._tracker import Tracker
 from pardist.transport._primitives import PsumInvariant, Pvary
 
@@ -110,7 +110,7 @@ def body(args) -> dict:
     params, specs = init(args.dim, args.layers, args.vocab, mesh)
     heads = args.heads // model
     group = mesh.groups("model")
-    reduce = _collectives._reduce
+    reduce = pardist.collectives.reduce_groups
 
     def manual(p, tokens):
         inputs = [t.detach().requires_grad_() for t in pardist.runtime._tree.tree_leaves(p)]

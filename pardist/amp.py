@@ -25,9 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pardist.collectives import _collectives
-from pardist.runtime import _process, _tree
-from pardist.runtime._compat import foreach_mul, foreach_norm
-from pardist.runtime._context import current_step
+from pardist.runtime import _process, _tree, current_step, foreach_mul, foreach_norm
 
 __all__ = ["DynamicLossScale", "LossScaleState", "autocast", "dynamic_loss_scale"]
 

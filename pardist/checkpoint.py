@@ -39,8 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _progress, _tree
-from pardist.runtime._integrity import MARKER, CheckpointError, cause, checksums, verify
+from pardist.runtime import MARKER, CheckpointError, _progress, _tree, cause, checksums, verify
 from pardist.step import _replication
 
 __all__ = ["MARKER", "CheckpointError", "latest", "load", "resume", "save", "steps"]

@@ -36,34 +36,31 @@ import torch
 
 from pardist.collectives import _vma
 from pardist.compile import _traced
-from pardist.runtime import _mesh, _tree
-from pardist.runtime._compat import functorch
-from pardist.runtime._context import compiled_plan
-from pardist.transport import _primitives
-from pardist.transport._primitives import (
+from pardist.runtime import _mesh, _tree, compiled_plan, functorch
+from pardist.transport import (
     AllGather,
     AllGatherInvariant,
     Pmax,
     Psum,
     PsumInvariant,
     Pvary,
+    _primitives,
 )
 
 __all__ = ["all_gather", "axis_index", "axis_size", "pmax", "pmean", "psum", "pvary"]
 
 _functorch = functorch
-_reduce = _primitives.reduce  # how reductions travel: shared memory on one host, else the backend
+reduce_groups = (
+    _primitives.reduce
+)  # how reductions travel: shared memory on one host, else the backend
 
 
-class _Psum:
-    """The untracked psum (backward: psum), as pardist.grad's gradient mean calls it."""
-
-    @staticmethod
-    def apply(x: torch.Tensor, groups: list) -> torch.Tensor:
-        return Psum.apply(x, groups, _reduce)
+def psum_groups(x: torch.Tensor, groups: list) -> torch.Tensor:
+    """The untracked psum over process groups (backward: psum), as pardist.grad's mean calls it."""
+    return Psum.apply(x, groups, reduce_groups)
 
 
-def _needs_grad(x: torch.Tensor) -> bool:
+def needs_grad(x: torch.Tensor) -> bool:
     """Whether a gradient may flow through ``x`` (so its lift must be a real ``pvary``)."""
     return torch.is_grad_enabled() and (
         x.requires_grad or _functorch.peek_interpreter_stack() is not None
@@ -73,7 +70,7 @@ def _needs_grad(x: torch.Tensor) -> bool:
 def _lift(state: _vma.Tracking, x: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
     """``x`` made varying over ``axes`` (JAX inserts the same ``pvary`` before a collective)."""
     missing = axes - state.get(x)
-    return Pvary.apply(x, state.groups(missing), _reduce) if missing and _needs_grad(x) else x
+    return Pvary.apply(x, state.groups(missing), reduce_groups) if missing and needs_grad(x) else x
 
 
 def _tensors(tree: Any, where: str) -> tuple[list[torch.Tensor], Any]:
@@ -153,7 +150,7 @@ def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
         axis,
         "psum",
         lambda groups, tracked: (
-            lambda x: (PsumInvariant if tracked else Psum).apply(x, groups, _reduce)
+            lambda x: (PsumInvariant if tracked else Psum).apply(x, groups, reduce_groups)
         ),
     )
 
@@ -174,7 +171,7 @@ def pmean(tree: Any, axis: str | tuple[str, ...]) -> Any:
 
     def make(groups, tracked):
         kind = PsumInvariant if tracked else Psum
-        return lambda x: kind.apply(x, groups, _reduce) / size
+        return lambda x: kind.apply(x, groups, reduce_groups) / size
 
     return _reduction(tree, axis, "pmean", make)
 
@@ -197,7 +194,7 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
         tree,
         axis,
         "pmax",
-        lambda groups, tracked: lambda x: Pmax.apply(x, groups, _reduce, tracked),
+        lambda groups, tracked: lambda x: Pmax.apply(x, groups, reduce_groups, tracked),
     )
 
 

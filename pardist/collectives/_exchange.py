@@ -14,7 +14,7 @@ import torch
 
 from pardist.collectives._collectives import _blockwise
 from pardist.runtime import _tree
-from pardist.transport._primitives import AllToAll, PsumScatter
+from pardist.transport import AllToAll, PsumScatter
 
 __all__ = ["all_to_all", "psum_scatter"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pardist.runtime._context import StepContext
+from pardist.runtime import StepContext
 from pardist.transport import _primitives
 
 __all__ = ["gather_groups", "ordered_sum"]
@@ -26,7 +26,7 @@ def gather_groups(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     if ctx.size == 1:
         return local
     group = ctx.mesh.group(ctx.axis)
-    return torch.cat(_primitives._gather(local.contiguous(), group), dim=0)
+    return torch.cat(_primitives.gather_parts(local.contiguous(), group), dim=0)
 
 
 def ordered_sum(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -60,5 +60,5 @@ def _split_sum(local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
     blocks = flat.view(n, size, -1).transpose(0, 1).contiguous()  # [rank, group, slice]
     mine = _primitives.AllToAll.apply(blocks, group, 0, 0)  # every rank's groups, my slice
     folded = _fold(mine.reshape(size * n, -1))
-    whole = torch.cat(_primitives._gather(folded, group))
+    whole = torch.cat(_primitives.gather_parts(folded, group))
     return whole[:width].view(shape)

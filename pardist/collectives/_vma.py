@@ -28,8 +28,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pardist.runtime._compat import functorch
-from pardist.runtime._mesh import Mesh
+from pardist.runtime import Mesh, functorch
 
 __all__ = [
     "EMPTY",

@@ -32,15 +32,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pardist.compile._plan import AxisInfo, Plan, make_plan
-from pardist.runtime import _context, _tree
-from pardist.runtime._compat import (
+from pardist.runtime import (
+    StepContext,
     TorchCompileInductorWrapper,
+    _context,
+    _tree,
     checkpoint_op,
     dynamo,
     enable_saved_tensors_hooks,
     saved_tensors_hooks_enabled,
 )
-from pardist.runtime._context import StepContext
 
 __all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step", "outer_compile"]
 
@@ -79,11 +80,11 @@ def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
         first_bucket_bytes=plan.first_bucket_bytes,
         plan=plan,
     )
-    _context._active.append(ctx)
+    _context.push(ctx)
     try:
         out = fn(*args, **kwargs)
     finally:
-        _context._active.pop()
+        _context.pop()
     if not plan.donated:
         return out
     return _tree.tree_map(lambda y: _donated_input(y, seen, leaves, plan.donated), out)

@@ -26,14 +26,13 @@ from typing import Any
 import torch
 
 from pardist.compile import _ops  # noqa: F401  (_ops registers torch.ops.pardist)
-from pardist.runtime import _tree
-from pardist.runtime._compat import funcol
+from pardist.runtime import _tree, funcol
+from pardist.transport import assign
 
 __all__ = [
     "all_gather",
     "axis_index",
     "axis_size",
-    "bucket_plan",
     "mean",
     "mean_scatter",
     "pmax",
@@ -42,7 +41,7 @@ __all__ = [
 ]
 
 
-def _axis(plan: Any, axis: Any, where: str) -> Any:
+def axis_info(plan: Any, axis: Any, where: str) -> Any:
     key = axis if isinstance(axis, str) else tuple(axis)
     if isinstance(key, tuple) and len(key) == 1:
         key = key[0]
@@ -151,14 +150,14 @@ def _coalesced(tree: Any, where: str, fn) -> Any:
 
 
 def psum(tree: Any, axis: Any, plan: Any) -> Any:
-    info = _axis(plan, axis, "psum")
+    info = axis_info(plan, axis, "psum")
     if not info.groups:
         return _tree.tree_map(lambda x: x, tree)
     return _coalesced(tree, "pardist.psum", lambda x: _Psum.apply(x, info.groups, info.shm))
 
 
 def pmean(tree: Any, axis: Any, plan: Any) -> Any:
-    info = _axis(plan, axis, "pmean")
+    info = axis_info(plan, axis, "pmean")
     if not info.groups:
         return _tree.tree_map(lambda x: x, tree)
     return _coalesced(
@@ -167,14 +166,14 @@ def pmean(tree: Any, axis: Any, plan: Any) -> Any:
 
 
 def pmax(tree: Any, axis: Any, plan: Any) -> Any:
-    info = _axis(plan, axis, "pmax")
+    info = axis_info(plan, axis, "pmax")
     if not info.groups:
         return _tree.tree_map(lambda x: x, tree)
     return _coalesced(tree, "pardist.pmax", lambda x: _Pmax.apply(x, info.groups, info.shm))
 
 
 def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = False) -> Any:
-    info = _axis(plan, axis, "all_gather")
+    info = axis_info(plan, axis, "all_gather")
     leaves = _tree.check_tensor_leaves(tree, where="pardist.all_gather", name="tree")
     if info.size == 1:
         return _tree.tree_map(lambda x: x, tree)
@@ -194,35 +193,18 @@ def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = Fals
 
 
 def axis_index(axis: Any, plan: Any) -> int:
-    return _axis(plan, axis, "axis_index").index
+    return axis_info(plan, axis, "axis_index").index
 
 
 def axis_size(axis: Any, plan: Any) -> int:
-    return _axis(plan, axis, "axis_size").size
+    return axis_info(plan, axis, "axis_size").size
 
 
-def bucket_plan(like: list[torch.Tensor], bucket_bytes: int, first_bytes: int) -> list[list[int]]:
-    """Indices of ``like`` per bucket, as the eager reducer assigns them.
-
-    Reverse order (the last layers' gradients come first), one dtype and device
-    per bucket, a bucket closing once it holds ``bucket_bytes`` (``first_bytes``
-    for the first).
-    """
-    buckets: list[list[int]] = []
-    sizes: list[int] = []
-    open_by_kind: dict[tuple, int] = {}
-    for i in reversed(range(len(like))):
-        t = like[i]
-        kind = (t.dtype, t.device)
-        b = open_by_kind.get(kind)
-        cap = first_bytes if not buckets or b == 0 else bucket_bytes
-        if b is None or sizes[b] * t.element_size() >= cap:
-            buckets.append([])
-            sizes.append(0)
-            b = open_by_kind[kind] = len(buckets) - 1
-        buckets[b].append(i)
-        sizes[b] += t.numel()
-    return buckets
+def _buckets(like: list[torch.Tensor], plan: Any) -> list[list[int]]:
+    """Indices of ``like`` per bucket: the eager reducer's ``assign``, one row of numel each."""
+    sizes = plan.bucket_bytes, plan.first_bucket_bytes
+    buckets, _ = assign(like, torch.Tensor.numel, 1, None, *sizes)
+    return [b.slots for b in buckets]
 
 
 def _comm_dtype(plan: Any, dtype: torch.dtype) -> torch.dtype | None:
@@ -238,7 +220,7 @@ def mean(tensors: list[torch.Tensor], plan: Any) -> list[torch.Tensor]:
     """
     info = plan.axes[plan.axis_key]
     out: list = [None] * len(tensors)
-    for index in bucket_plan(tensors, plan.bucket_bytes, plan.first_bucket_bytes):
+    for index in _buckets(tensors, plan):
         flat = torch.cat([tensors[i].reshape(-1) for i in index])
         comm = _comm_dtype(plan, flat.dtype)
         reduced = _Psum.apply(flat if comm is None else flat.to(comm), info.groups, info.shm)
@@ -258,7 +240,7 @@ def mean_scatter(tensors: list[torch.Tensor], plan: Any) -> list[torch.Tensor]:
     info = plan.axes[plan.axis_key]
     size, index = info.size, info.index
     out: list = [None] * len(tensors)
-    for bucket in bucket_plan(tensors, plan.bucket_bytes, plan.first_bucket_bytes):
+    for bucket in _buckets(tensors, plan):
         blocks, chunks = [], []
         for i in bucket:
             flat = tensors[i].reshape(-1)
@@ -286,7 +268,7 @@ def gather_rows(rows: list[torch.Tensor], numels: list[int], plan: Any) -> list[
     info = plan.axes[plan.axis_key]
     size = info.size
     out: list = [None] * len(rows)
-    for bucket in bucket_plan(rows, plan.bucket_bytes, plan.first_bucket_bytes):
+    for bucket in _buckets(rows, plan):
         chunks = [-(-numels[i] // size) for i in bucket]
         row = torch.cat(
             [

@@ -3,9 +3,19 @@
 ``shard`` (fastai's DistributedDL over any DataLoader), ``even`` / ``check_even``
 for loaders you shard yourself, ``untar`` (fastai's ``untar_data``); ``gather``
 for exact evaluation lives here too (``pardist.gather``). May import
-``pardist.runtime`` and ``pardist.collectives``.
+``pardist.runtime`` only.
 """
 
+from pardist.data._gather import gather, gather_object
 from pardist.data._loader import Even, ShardedLoader, check_even, even, shard, untar
 
-__all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "untar"]
+__all__ = [
+    "Even",
+    "ShardedLoader",
+    "check_even",
+    "even",
+    "gather",
+    "gather_object",
+    "shard",
+    "untar",
+]

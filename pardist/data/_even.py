@@ -19,8 +19,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pardist.data import _gather
-from pardist.runtime import _process
-from pardist.runtime._context import debug_enabled
+from pardist.runtime import _process, debug_enabled
 
 __all__ = ["Even", "check_even", "even", "lockstep"]
 

@@ -29,8 +29,7 @@ from torch.utils.data.distributed import DistributedSampler
 from pardist.data import _even, _gather, _position
 from pardist.data._download import untar
 from pardist.data._even import Even, check_even, even
-from pardist.runtime import _mesh, _placement, _process, _seed
-from pardist.runtime._context import debug_enabled
+from pardist.runtime import _mesh, _placement, _process, _seed, debug_enabled
 
 __all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "untar"]
 

@@ -24,13 +24,9 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _vma
 from pardist.gradients import _microbatch, _perrank, _reduction
 from pardist.gradients._reduction import Reduction
-from pardist.runtime import _tree
-from pardist.runtime._compat import functorch
-from pardist.runtime._context import StepContext
-from pardist.runtime._layout import laid_out_like
+from pardist.runtime import StepContext, _tree, functorch, laid_out_like
 from pardist.sharding import _fsdp
-from pardist.transport._reducer import Reducer
-from pardist.transport._scatter import signature
+from pardist.transport import Reducer, signature
 
 __all__ = ["Call", "compute", "compute_local", "split_value"]
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist.runtime import _tree
-from pardist.runtime._compat import functorch
+from pardist.runtime import _tree, functorch
 
 __all__ = ["check", "watched"]
 

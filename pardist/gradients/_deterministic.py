@@ -25,9 +25,7 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _fold
 from pardist.gradients import _microbatch, _perrank
 from pardist.gradients._bucketed import Call, split_value
-from pardist.runtime import _rng, _tree
-from pardist.runtime._context import StepContext
-from pardist.runtime._lockstep import Lockstep
+from pardist.runtime import Lockstep, StepContext, _rng, _tree
 
 __all__ = ["check_groups", "compute"]
 

@@ -40,10 +40,7 @@ from pardist.gradients import (
     _traced_grad,
 )
 from pardist.gradients._bucketed import Call
-from pardist.runtime import _tree
-from pardist.runtime._compat import functorch
-from pardist.runtime._context import current_step, holds
-from pardist.runtime._layout import laid_out_like
+from pardist.runtime import _tree, current_step, functorch, holds, laid_out_like
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -73,9 +70,9 @@ class _MeanGrad(torch.autograd.Function):
     def backward(ctx, g):
         if ctx.divisor == math.inf:  # a rank without rows: no weight (nor its nan gradient)
             g = torch.zeros_like(g)
-        plain = _collectives._Psum.apply(g, ctx.groups) / ctx.size
+        plain = _collectives.psum_groups(g, ctx.groups) / ctx.size
         if ctx.divisor is not None:
-            weighted = _collectives._Psum.apply(g.detach() / ctx.divisor, ctx.groups)
+            weighted = _collectives.psum_groups(g.detach() / ctx.divisor, ctx.groups)
             plain = plain + (weighted - plain).detach()
         return plain, None, None, None
 
@@ -296,11 +293,11 @@ def _compute_functorch(call: Call, ctx, leaves: list):
         # the replicated inputs (_MeanGrad) already weigh each rank by its rows, and an
         # outer transform must not weigh them twice. An empty shard adds nothing.
         mine = value if call.rows > 0 else value.new_zeros(())
-        plain = _collectives._Psum.apply(mine, groups) / ctx.size
-        weighted = _collectives._Psum.apply(mine.detach() * max(call.rows, 0), groups) / total
+        plain = _collectives.psum_groups(mine, groups) / ctx.size
+        weighted = _collectives.psum_groups(mine.detach() * max(call.rows, 0), groups) / total
         value = plain + (weighted - plain).detach()
     elif groups and call.need_value:
-        value = _collectives._Psum.apply(value, groups) / ctx.size
+        value = _collectives.psum_groups(value, groups) / ctx.size
     return value, call.aux(auxes), _vma.typed_like(call.combine(local, parts, leaves), leaves)
 
 

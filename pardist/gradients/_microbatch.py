@@ -21,8 +21,7 @@ import einops
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist.runtime import _tree
-from pardist.runtime._context import holds
+from pardist.runtime import _tree, holds
 
 __all__ = ["UNSET", "batch_masks", "check_carry", "concat", "rows", "split", "stack"]
 

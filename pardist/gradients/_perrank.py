@@ -21,8 +21,7 @@ import math
 import torch
 
 from pardist.collectives import _collectives
-from pardist.runtime import _warnings
-from pardist.runtime._context import StepContext, debug_enabled
+from pardist.runtime import StepContext, _warnings, debug_enabled
 
 __all__ = ["Table", "checked", "exchange", "global_value", "report", "table", "total_rows"]
 
@@ -130,7 +129,7 @@ def exchange(value: torch.Tensor, rows: int, ctx: StepContext) -> tuple[torch.Te
     summed = mine.encode(value, rows, torch.float32)
     groups = ctx.mesh.groups(ctx.axis)
     if groups:
-        summed = _collectives._reduce(summed, groups, "sum")
+        summed = _collectives.reduce_groups(summed, groups, "sum")
     return mine.decode(summed)
 
 
@@ -139,5 +138,5 @@ def total_rows(rows: int, ctx: StepContext) -> int:
     mine = torch.tensor([float(rows)], dtype=torch.float64)
     groups = ctx.mesh.groups(ctx.axis)
     if groups:
-        mine = _collectives._reduce(mine, groups, "sum")
+        mine = _collectives.reduce_groups(mine, groups, "sum")
     return int(mine.item())

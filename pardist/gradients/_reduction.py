@@ -26,9 +26,8 @@ import operator
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist.runtime._context import StepContext
-from pardist.transport._reducer import Reducer
-from pardist.transport._scatter import ScatterReducer, signature
+from pardist.runtime import StepContext
+from pardist.transport import Reducer, ScatterReducer, signature
 
 __all__ = ["Accumulate", "AllReduce", "Local", "Reduction", "Scatter", "choose"]
 

@@ -26,8 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives
-from pardist.runtime._compat import functorch
-from pardist.runtime._context import StepContext
+from pardist.runtime import StepContext, functorch
 
 __all__ = ["counted", "weigh"]
 
@@ -88,7 +87,7 @@ def _global(counts: list, ctx: StepContext | None) -> float:
         groups = ctx.mesh.groups(ctx.axis)
         if groups:
             device = counts[0].device if counts[0].device.type != "meta" else "cpu"
-            mine = _collectives._reduce(mine.to(device), groups, "sum").cpu()
+            mine = _collectives.reduce_groups(mine.to(device), groups, "sum").cpu()
     return float(mine.item())
 
 

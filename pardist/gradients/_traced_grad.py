@@ -21,9 +21,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pardist.compile import _traced
 from pardist.gradients import _bucketed
-from pardist.runtime import _tree
-from pardist.runtime._context import StepContext
-from pardist.transport._scatter import signature
+from pardist.runtime import StepContext, _tree
+from pardist.transport import signature
 
 __all__ = ["compute"]
 

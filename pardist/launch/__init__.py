@@ -6,5 +6,6 @@ notebook launcher's worker groups. May import ``pardist.runtime`` and
 """
 
 from pardist.launch._cli import DEFAULT_JOIN_TIMEOUT_S, main, prepare
+from pardist.launch._spawn import SpawnError, spawn
 
-__all__ = ["DEFAULT_JOIN_TIMEOUT_S", "main", "prepare"]
+__all__ = ["DEFAULT_JOIN_TIMEOUT_S", "SpawnError", "main", "prepare", "spawn"]

@@ -55,7 +55,7 @@ WHERE = "pardist.launch"
 
 
 def _parser():
-    from pardist.runtime._compat import torchrun_parser
+    from pardist.runtime import torchrun_parser
 
     parser = torchrun_parser()
     parser.prog = "python -m pardist.launch"
@@ -131,7 +131,7 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
     from torch.distributed.run import parse_min_max_nnodes
 
     from pardist.launch import _ports
-    from pardist.runtime._compat import matches_machine_hostname
+    from pardist.runtime import matches_machine_hostname
 
     args = _parser().parse_args(list(argv))
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

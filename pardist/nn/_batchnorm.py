@@ -46,7 +46,7 @@ from pardist.nn._bnmath import (
     local_moments,
     update_running,
 )
-from pardist.runtime._context import current_step
+from pardist.runtime import current_step
 
 __all__ = ["cross_replica_batch_norm", "prepare", "synchronised"]
 

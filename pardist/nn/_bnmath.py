@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pardist.runtime._compat import assert_async
+from pardist.runtime import assert_async
 
 __all__ = ["global_moments", "grad_sums", "input_grad", "local_moments", "update_running"]
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pardist.nn._batchnorm import _RUNNING, _BatchNormBase, _CrossReplica, _overrides_forward
-from pardist.runtime._context import current_step
+from pardist.runtime import current_step
 
 __all__ = ["CrossReplicaBatchNorm", "convert_batchnorm"]
 

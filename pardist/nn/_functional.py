@@ -20,8 +20,7 @@ from torch import nn
 
 from pardist.collectives import _collectives
 from pardist.nn import _batchnorm, _frozen, _remat
-from pardist.runtime import _lockstep, _placement, _tree
-from pardist.runtime._context import current_step
+from pardist.runtime import _lockstep, _placement, _tree, current_step
 from pardist.sharding import _apply, _units
 
 __all__ = ["functional"]

@@ -19,8 +19,7 @@ from torch.autograd.function import once_differentiable
 
 from pardist.collectives import _fold
 from pardist.nn import _bnmath, _remat
-from pardist.runtime import _lockstep
-from pardist.runtime._context import current_step
+from pardist.runtime import _lockstep, current_step
 
 __all__ = ["batch_norm"]
 

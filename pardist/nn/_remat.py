@@ -34,8 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from pardist.runtime import _lockstep, _tree
-from pardist.runtime._compat import functorch, reroute_checkpoints
+from pardist.runtime import _lockstep, _tree, functorch, reroute_checkpoints
 
 __all__ = ["POLICIES", "Remat", "Rerun", "calls", "recomputing", "remat", "remat_blocks"]
 

@@ -1,7 +1,8 @@
 """Optimizers and gradient transformations as pure ``init`` / ``update`` pairs (optax's shape).
 
 ``opt = pardist.optim.adamw(lr)``; ``state = opt.init(params)``;
-``params, state = opt.update(grads, state, params)``.
+``params, state = opt.update(grads, state, params)``. May import ``pardist.runtime``,
+``pardist.transport``, ``pardist.compile``, ``pardist.collectives`` and ``pardist.sharding``.
 """
 
 from pardist.optim._adamw import AdamWState, adam, adamw

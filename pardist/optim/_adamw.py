@@ -23,8 +23,7 @@ from pardist.optim._base import (
     schedule,
     schedule_value,
 )
-from pardist.runtime import _tree
-from pardist.runtime._compat import fused_adam_, fused_adamw_
+from pardist.runtime import _tree, fused_adam_, fused_adamw_
 
 __all__ = ["AdamWState", "adam", "adamw"]
 

@@ -19,11 +19,18 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.compile import _ops
-from pardist.runtime import _tree
-from pardist.runtime._compat import dtensor_local, dtensor_spec, fused_kernel_devices
-from pardist.runtime._context import donating, is_donated
-from pardist.runtime._layout import is_dense, laid_out_like, same_layout
-from pardist.runtime._signature import Signature
+from pardist.runtime import (
+    Signature,
+    _tree,
+    donating,
+    dtensor_local,
+    dtensor_spec,
+    fused_kernel_devices,
+    is_dense,
+    is_donated,
+    laid_out_like,
+    same_layout,
+)
 
 __all__ = [
     "Checked",

@@ -24,16 +24,23 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pardist.optim import _sharded_compiled
 from pardist.optim._base import Optimizer
-from pardist.runtime import _mesh, _tree
-from pardist.runtime._compat import pytree
-from pardist.runtime._context import compiled_plan, donating, is_donated, sharded_over
+from pardist.runtime import (
+    ShardsGradients,
+    _mesh,
+    _tree,
+    compiled_plan,
+    donating,
+    is_donated,
+    pytree,
+    sharded_over,
+)
 from pardist.sharding import _fsdp
-from pardist.transport._scatter import ParamGather, shard_range, signature
+from pardist.transport import ParamGather, shard_range, signature
 
 __all__ = ["ShardedState", "sharded"]
 
 
-class ShardedState:
+class ShardedState(ShardsGradients):
     """A sharded optimizer's state: the wrapped optimizer's state over flat shards.
 
     ``inner`` is that state (DTensor leaves for per-parameter tensors, plain

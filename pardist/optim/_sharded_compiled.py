@@ -16,9 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from pardist.compile import _traced
 from pardist.optim._base import Optimizer
-from pardist.runtime import _tree
-from pardist.runtime._context import donating, is_donated, sharded_over
-from pardist.transport._scatter import shard_range
+from pardist.runtime import _tree, donating, is_donated, sharded_over
+from pardist.transport import shard_range
 
 __all__ = ["update"]
 
@@ -26,7 +25,7 @@ __all__ = ["update"]
 def update(opt: Optimizer, grads: Any, state: Any, params: Any, plan: Any, where: str):
     """(new params, new inner state) of one sharded update inside a compiled step."""
     key = state.axis[0] if len(state.axis) == 1 else state.axis
-    info = _traced._axis(plan, key, where)
+    info = _traced.axis_info(plan, key, where)
     size, index = info.size, info.index
     leaves, treedef = _tree.tree_flatten(params)
     g_shards, p_shards = [], []

@@ -10,9 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives
 from pardist.optim._base import GradientTransformation
-from pardist.runtime import _tree
-from pardist.runtime._compat import foreach_mul, foreach_norm
-from pardist.runtime._context import compiled_plan, shard_group
+from pardist.runtime import _tree, compiled_plan, foreach_mul, foreach_norm, shard_group
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 

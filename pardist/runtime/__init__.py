@@ -3,5 +3,144 @@
 Holds who this process is (``_process``), named meshes over DeviceMesh, the running
 step's context, pytree helpers, gradient layouts, seeding, logging and pardist's
 warnings and errors. Imports nothing else of pardist. Public names are re-exported
-by ``pardist``.
+by ``pardist``; the names below are what the packages above may use (the modules
+``_tree``, ``_process``, ``_mesh``... are imported whole as namespaces).
 """
+
+# First: an unsupported torch is refused in one line, before pardist touches its internals.
+from pardist.runtime._compat import (
+    DisableTorchFunctionSubclass,
+    TorchCompileInductorWrapper,
+    assert_async,
+    checkpoint_op,
+    dtensor_local,
+    dtensor_spec,
+    dynamo,
+    enable_saved_tensors_hooks,
+    foreach_mul,
+    foreach_norm,
+    funcol,
+    functorch,
+    fused_adam_,
+    fused_adamw_,
+    fused_kernel_devices,
+    make_wrapper_subclass,
+    matches_machine_hostname,
+    pytree,
+    reroute_checkpoints,
+    saved_tensors_hooks_enabled,
+    storage_holders,
+    torchrun_parser,
+)
+from pardist.runtime._context import (
+    Ids,
+    StepContext,
+    compiled_plan,
+    current_step,
+    debug_enabled,
+    donating,
+    entered,
+    holds,
+    is_donated,
+    shard_group,
+    sharded_over,
+)
+from pardist.runtime._faults import StepMismatch
+from pardist.runtime._integrity import MARKER, CheckpointError, cause, checksums, verify
+from pardist.runtime._layout import (
+    ShardsGradients,
+    dense_strides,
+    is_dense,
+    laid_out_like,
+    same_layout,
+)
+from pardist.runtime._lockstep import Lockstep
+from pardist.runtime._mesh import Mesh, current_mesh, distributed, init
+from pardist.runtime._process import (
+    GroupRef,
+    device,
+    is_initialized,
+    is_main,
+    local_rank,
+    rank,
+    rank0_first,
+    shutdown,
+    world_size,
+)
+from pardist.runtime._progress import get_logger, print0, progress
+from pardist.runtime._rng import rng_count, set_rng_count
+from pardist.runtime._seed import rank_seed, seed_everything, seed_worker
+from pardist.runtime._signature import Signature
+from pardist.runtime._warnings import DuplicateBatchWarning, NonFiniteLossWarning
+
+__all__ = [
+    "MARKER",
+    "CheckpointError",
+    "DisableTorchFunctionSubclass",
+    "DuplicateBatchWarning",
+    "GroupRef",
+    "Ids",
+    "Lockstep",
+    "Mesh",
+    "NonFiniteLossWarning",
+    "ShardsGradients",
+    "Signature",
+    "StepContext",
+    "StepMismatch",
+    "TorchCompileInductorWrapper",
+    "assert_async",
+    "cause",
+    "checkpoint_op",
+    "checksums",
+    "compiled_plan",
+    "current_mesh",
+    "current_step",
+    "debug_enabled",
+    "dense_strides",
+    "device",
+    "distributed",
+    "donating",
+    "dtensor_local",
+    "dtensor_spec",
+    "dynamo",
+    "enable_saved_tensors_hooks",
+    "entered",
+    "foreach_mul",
+    "foreach_norm",
+    "funcol",
+    "functorch",
+    "fused_adam_",
+    "fused_adamw_",
+    "fused_kernel_devices",
+    "get_logger",
+    "holds",
+    "init",
+    "is_dense",
+    "is_donated",
+    "is_initialized",
+    "is_main",
+    "laid_out_like",
+    "local_rank",
+    "make_wrapper_subclass",
+    "matches_machine_hostname",
+    "print0",
+    "progress",
+    "pytree",
+    "rank",
+    "rank0_first",
+    "rank_seed",
+    "rng_count",
+    "reroute_checkpoints",
+    "same_layout",
+    "saved_tensors_hooks_enabled",
+    "seed_everything",
+    "seed_worker",
+    "set_rng_count",
+    "shard_group",
+    "sharded_over",
+    "shutdown",
+    "storage_holders",
+    "torchrun_parser",
+    "verify",
+    "world_size",
+]

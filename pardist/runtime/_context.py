@@ -26,6 +26,8 @@ __all__ = [
     "donating",
     "entered",
     "is_donated",
+    "pop",
+    "push",
     "shard_group",
     "sharded_over",
 ]
@@ -89,14 +91,23 @@ def compiled_plan() -> Any:
     return _active[-1].plan if _active else None
 
 
+def push(ctx: StepContext) -> None:
+    """Make ``ctx`` the running step (a compiled step's graph calls this and :func:`pop`)."""
+    _active.append(ctx)
+
+
+def pop() -> None:
+    _active.pop()
+
+
 @contextlib.contextmanager
 def entered(ctx: StepContext) -> Iterator[StepContext]:
-    _active.append(ctx)
+    push(ctx)
     try:
         with ctx.mesh:
             yield ctx
     finally:
-        _active.pop()
+        pop()
 
 
 def is_donated(tensors: list[torch.Tensor]) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dense_strides", "is_dense", "laid_out_like", "same_layout"]
+__all__ = ["ShardsGradients", "dense_strides", "is_dense", "laid_out_like", "same_layout"]
 
 
 def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -48,3 +48,18 @@ def laid_out_like(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return g
     out = torch.empty_strided(g.shape, target, dtype=g.dtype, device=g.device)
     return out.copy_(g)
+
+
+class ShardsGradients:
+    """A pytree node whose parameters' gradients arrive reduce-scattered over ``axis`` (ZeRO-2).
+
+    ``pardist.optim.sharded``'s state is one. A step finds such nodes among its
+    arguments and reduce-scatters the gradients of the parameters whose
+    ``signature`` (their shapes and dtypes, in order) matches, so the layout is
+    decided by the state the step is given, not by the optimizer that made it.
+    Subclasses set ``signature`` and ``axis`` (static: part of the tree structure).
+    """
+
+    __slots__ = ()
+    signature: tuple
+    axis: tuple[str, ...]

@@ -4,3 +4,7 @@
 reduce-scatter of their gradients. May import ``pardist.runtime``,
 ``pardist.transport``, ``pardist.compile`` and ``pardist.collectives``.
 """
+
+from pardist.sharding._fsdp import fsdp
+
+__all__ = ["fsdp"]

@@ -26,9 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _vma
-from pardist.runtime import _tree
-from pardist.runtime._compat import functorch, pytree
-from pardist.runtime._context import current_step
+from pardist.runtime import _tree, current_step, functorch, pytree
 from pardist.sharding import _fsdp
 from pardist.sharding._gather import Gather, Gathered, Packed, unpack
 from pardist.sharding._plan import Plan, Unit

@@ -37,10 +37,16 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pardist.runtime._process import GroupRef
-from pardist.transport._reducer import _references
-from pardist.transport._scatter import _gather, _layout, _scatter, _unpack, shard_range
-from pardist.transport._shm import ALIGN, SharedMemoryGroup
+from pardist.runtime import GroupRef, storage_holders
+from pardist.transport import (
+    ALIGN,
+    SharedMemoryGroup,
+    all_gather_into,
+    flat_layout,
+    reduce_scatter_into,
+    shard_range,
+    unpack_column,
+)
 
 __all__ = ["Layout", "Pool", "Transport"]
 
@@ -57,9 +63,9 @@ class Layout:
     """One unit's parameters laid out for collectives, per (dtype, device) bucket."""
 
     def __init__(self, shapes: list, dtypes: list, device: torch.device, size: int, index: int):
-        # zero-stride stand-ins: _layout reads numel, dtype and device only
+        # zero-stride stand-ins: flat_layout reads numel, dtype and device only
         like = [torch.zeros((), dtype=d, device=device).expand(s) for s, d in zip(shapes, dtypes)]
-        self.buckets, self.columns = _layout(like, size, 1 << 62, 1 << 62)
+        self.buckets, self.columns = flat_layout(like, size, 1 << 62, 1 << 62)
         self.size, self.index = size, index
         self.starts = [0] * len(like)  # offset of each parameter in its bucket's full buffer
         self.full = []  # numel of each bucket's full buffer
@@ -86,7 +92,7 @@ class Pool:
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         kept = self._buffers.setdefault((dtype, device), [])
-        free = [b for b in kept if _references(b) <= 1]
+        free = [b for b in kept if storage_holders(b) <= 1]
         fits = [b for b in free if b.numel() >= numel]
         if fits:
             return min(fits, key=torch.Tensor.numel)[:numel]
@@ -131,7 +137,7 @@ class Transport:
             slot = max(_aligned(full * b.dtype.itemsize) for b, full in buckets)
             self.slots = [SharedMemoryGroup.create(group, 0, slot) for _ in range(SLOTS)]
             self.slots = [g for g in self.slots if g is not None]
-            self._idle = [_references(g._data) for g in self.slots]
+            self._idle = [storage_holders(g._data) for g in self.slots]
 
     # -- checks -----------------------------------------------------------------------------
     def _exchange(self, value: int) -> list[int]:
@@ -170,14 +176,14 @@ class Transport:
                 mine[offset : offset + stop - start].copy_(shards[i].reshape(-1))
             mine[bucket.row] = _small(tag)  # checked after the gather: one per rank's row
             block = self.pool.get(self.size * (bucket.row + 1), bucket.dtype, bucket.device)
-            handle = _gather(block, mine, group=self._group.get(), async_op=True)
+            handle = all_gather_into(block, mine, group=self._group.get(), async_op=True)
             work.append((handle, block, mine))
         return _Pending(layout, tag, work)
 
     def _gather_shared(self, layout: Layout, tag: int, shards: list) -> _Pending | None:
         # After this barrier every rank has let go of the units it was done with.
         self._barrier()
-        free = [k for k, g in enumerate(self.slots) if _references(g._data) <= self._idle[k]]
+        free = [k for k, g in enumerate(self.slots) if storage_holders(g._data) <= self._idle[k]]
         chosen = free[: len(layout.buckets)] if len(free) >= len(layout.buckets) else []
         views = []
         for bucket, full, k in zip(layout.buckets, layout.full, chosen):
@@ -214,7 +220,7 @@ class Transport:
             full = self.pool.get(full_numel, bucket.dtype, bucket.device)
             for i in bucket.slots:
                 col = layout.columns[i]
-                _unpack(source, col, full[layout.starts[i] : layout.starts[i] + col.numel])
+                unpack_column(source, col, full[layout.starts[i] : layout.starts[i] + col.numel])
             out.append(full)
         pending.work = []
         return out
@@ -264,7 +270,7 @@ class Transport:
 
     def _reduce_piece(self, piece: torch.Tensor, out: torch.Tensor, tag: int, itemsize: int):
         if self.arena is None:
-            _scatter(out, piece.view(-1), group=self._group.get())
+            reduce_scatter_into(out, piece.view(-1), group=self._group.get())
             return
         codes = self._exchange(tag * _CODE)  # every rank's piece is written
         self._check([c // _CODE for c in codes], "reduce-scatter")

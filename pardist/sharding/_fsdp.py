@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist.runtime import _mesh, _tree
-from pardist.runtime._compat import DisableTorchFunctionSubclass, dtensor_local, dtensor_spec
-from pardist.transport._scatter import shard_range
+from pardist.runtime import DisableTorchFunctionSubclass, _mesh, _tree, dtensor_local, dtensor_spec
+from pardist.transport import shard_range
 
 __all__ = [
     "Guarded",

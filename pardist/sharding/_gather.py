@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist.runtime._compat import dtensor_local, dtensor_spec
+from pardist.runtime import dtensor_local, dtensor_spec
 
 __all__ = ["Gather", "Gathered", "Packed", "unpack"]
 

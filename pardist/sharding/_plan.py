@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pardist.runtime._compat import (
+from pardist.runtime import (
     DisableTorchFunctionSubclass,
+    StepContext,
     dtensor_local,
     make_wrapper_subclass,
     pytree,
 )
-from pardist.runtime._context import StepContext
 from pardist.sharding import _fsdp, _units
 from pardist.sharding._comm import Layout, Transport
 

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from pardist.runtime import _mesh
-from pardist.runtime._context import debug_enabled
+from pardist.runtime import _mesh, debug_enabled
 from pardist.step import _batchcheck
 from pardist.step._shard_map import Step
 from pardist.step._specs import P

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from pardist.collectives._collectives import all_gather
+from pardist.collectives import all_gather
 from pardist.runtime import _mesh, _tree
 
 __all__ = ["DiLoCo", "DiLoCoState", "diloco", "local_sgd"]

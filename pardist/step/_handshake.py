@@ -24,11 +24,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _process
-from pardist.runtime._context import debug_enabled
-from pardist.runtime._faults import StepMismatch
-from pardist.transport import _shmgroups
-from pardist.transport._shm import mark_step
+from pardist.runtime import StepMismatch, _process, debug_enabled
+from pardist.transport import _shmgroups, mark_step
 
 __all__ = ["key", "stepping"]
 

@@ -30,9 +30,17 @@ from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives, _vma
 from pardist.compile import _step
-from pardist.optim._sharded import ShardedState
-from pardist.runtime import _mesh, _process, _rng, _tree
-from pardist.runtime._context import Ids, StepContext, debug_enabled, entered
+from pardist.runtime import (
+    Ids,
+    ShardsGradients,
+    StepContext,
+    _mesh,
+    _process,
+    _rng,
+    _tree,
+    debug_enabled,
+    entered,
+)
 from pardist.step import _devices, _handshake, _replication, _specs
 from pardist.step._donation import Consumed
 from pardist.step._specs import P
@@ -147,11 +155,11 @@ class Step:
                 )
             except (TypeError, ValueError) as e:
                 raise self.misfit(e, path, leaf, len(args), axes) from None
-        # A sharded optimizer state over the data axes: its parameters' gradients are
-        # reduce-scattered (its signature is static, part of the tree structure).
-        nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardedState))[0]
+        # A state sharded over the data axes (pardist.optim.sharded's) asks for its
+        # parameters' gradients reduce-scattered (its signature is in the tree structure).
+        nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardsGradients))[0]
         scatter = frozenset(
-            n.signature for n in nodes if isinstance(n, ShardedState) and n.axis == axes
+            n.signature for n in nodes if isinstance(n, ShardsGradients) and n.axis == axes
         )
         sharded = [i for i, s in enumerate(flat) if set(s.axes) & set(axes)]
         children = (

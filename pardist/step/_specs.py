@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from pardist.runtime import _tree
-from pardist.runtime._mesh import Mesh
+from pardist.runtime import Mesh, _tree
 
 __all__ = [
     "P",
@@ -178,7 +177,7 @@ def local_block(tree: Any, specs: Any, *, mesh: Mesh | None = None) -> Any:
                 [3., 4., 5.]])}
         >>> pardist.shutdown()
     """
-    from pardist.runtime._mesh import current_mesh
+    from pardist.runtime import current_mesh
 
     where = "pardist.local_block"
     mesh = mesh or current_mesh("local_block")

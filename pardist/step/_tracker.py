@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from pardist.collectives import _vma
-from pardist.collectives._collectives import _needs_grad, _reduce
-from pardist.transport._primitives import Pvary
+from pardist.collectives import _vma, needs_grad, reduce_groups
+from pardist.transport import Pvary
 
 __all__ = ["Tracker"]
 
@@ -154,16 +153,16 @@ class Tracker(TorchFunctionMode):
 
         def lift(t: Tensor) -> Tensor:
             missing = union - state.get(t)
-            if not missing or not _needs_grad(t):
+            if not missing or not needs_grad(t):
                 return t
             return state.lifted(
-                t, missing, lambda t: Pvary.apply(t, state.groups(missing), _reduce)
+                t, missing, lambda t: Pvary.apply(t, state.groups(missing), reduce_groups)
             )
 
         if inplace and args and isinstance(args[0], Tensor):
             written = args[0]
             missing = union - state.get(written)
-            if missing and _needs_grad(written):
+            if missing and needs_grad(written):
                 name = getattr(func, "__name__", func)
                 raise ValueError(
                     f"{self.where}: the in-place {name} writes a value that varies over "

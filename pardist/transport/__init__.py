@@ -2,5 +2,52 @@
 
 Shared-memory segments and futexes, collective primitives as autograd Functions,
 and the bucketed gradient reducers (all-reduce and reduce-scatter, DDP's buckets).
-May import ``pardist.runtime`` only.
+May import ``pardist.runtime`` only. The names below are its interface.
 """
+
+from pardist.transport._primitives import (
+    AllGather,
+    AllGatherInvariant,
+    AllToAll,
+    Pmax,
+    Psum,
+    PsumInvariant,
+    PsumScatter,
+    Pvary,
+)
+from pardist.transport._reducer import Reducer, assign
+from pardist.transport._scatter import (
+    ParamGather,
+    ScatterReducer,
+    all_gather_into,
+    flat_layout,
+    reduce_scatter_into,
+    shard_range,
+    signature,
+    unpack_column,
+)
+from pardist.transport._shm import ALIGN, SharedMemoryGroup, mark_step
+
+__all__ = [
+    "ALIGN",
+    "AllGather",
+    "AllGatherInvariant",
+    "AllToAll",
+    "ParamGather",
+    "Pmax",
+    "Psum",
+    "PsumInvariant",
+    "PsumScatter",
+    "Pvary",
+    "Reducer",
+    "ScatterReducer",
+    "SharedMemoryGroup",
+    "all_gather_into",
+    "assign",
+    "flat_layout",
+    "mark_step",
+    "reduce_scatter_into",
+    "shard_range",
+    "signature",
+    "unpack_column",
+]

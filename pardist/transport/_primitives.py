@@ -8,7 +8,7 @@ replication-inducing collectives"):
   (identity forward) lifts an invariant value to a varying one; its transpose
   is ``psum``. These two are used where pardist tracks which axes each value
   varies over (``pardist._vma``).
-- Where nothing is tracked every value counts as varying, and ``_Psum``'s
+- Where nothing is tracked every value counts as varying, and ``Psum``'s
   transpose is ``psum`` itself.
 
 ``all_gather`` and ``psum_scatter`` transpose into each other, ``all_to_all``
@@ -25,7 +25,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, _process
+from pardist.runtime import _faults, debug_enabled
 from pardist.transport import _shmgroups
 
 __all__ = [
@@ -77,7 +77,7 @@ def agree(name: str, x: torch.Tensor, group) -> None:
     integers before a CPU collective (gloo), and before every collective under
     ``PARDIST_DEBUG=1``; where they differ, every rank raises naming each one's.
     """
-    if x.device.type != "cpu" and not _process._debug():
+    if x.device.type != "cpu" and not debug_enabled():
         return
     what = f"{name} of {str(x.dtype).removeprefix('torch.')} {tuple(x.shape)}"
     mine = zlib.crc32(what.encode())
@@ -99,7 +99,7 @@ def agree(name: str, x: torch.Tensor, group) -> None:
     )
 
 
-def _gather(x: torch.Tensor, group) -> list[torch.Tensor]:
+def gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
     shm = _shared(x, group)
     parts = shm.all_gather(x) if shm is not None else None
     if parts is None:
@@ -218,7 +218,7 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(x, group, dim):
-        return torch.cat(_gather(x, group), dim=dim)
+        return torch.cat(gather_parts(x, group), dim=dim)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -267,7 +267,7 @@ class AllGatherInvariant(torch.autograd.Function):
 
     @staticmethod
     def forward(x, group, dim):
-        return torch.cat(_gather(x, group), dim=dim)
+        return torch.cat(gather_parts(x, group), dim=dim)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -31,10 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults
-from pardist.runtime._compat import storage_holders
-from pardist.runtime._layout import dense_strides
-from pardist.runtime._process import GroupRef
+from pardist.runtime import GroupRef, _faults, dense_strides, storage_holders
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
 __all__ = ["Reducer", "check_layout"]

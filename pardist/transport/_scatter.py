@@ -18,14 +18,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pardist.runtime._process import GroupRef
+from pardist.runtime import GroupRef
 from pardist.transport._reducer import Reducer, _Bucket, _references, assign, check_layout
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
 __all__ = ["ParamGather", "ScatterReducer", "shard_range", "signature"]
 
-_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def signature(tensors: list[torch.Tensor]) -> tuple:
@@ -49,7 +49,7 @@ class _Column:
     shape: torch.Size
 
 
-def _layout(like: list[torch.Tensor], size: int, bucket_bytes: int, first_bucket_bytes: int):
+def flat_layout(like: list[torch.Tensor], size: int, bucket_bytes: int, first_bucket_bytes: int):
     """Buckets of (size, row) blocks, and where each tensor's columns are."""
     chunk = lambda t: -(-t.numel() // size)  # noqa: E731
     buckets, places = assign(like, chunk, size, None, bucket_bytes, first_bucket_bytes)
@@ -80,7 +80,7 @@ def _pack(dst: torch.Tensor, flat: torch.Tensor, col: _Column, scale: float, fir
         dst[full + (1 if rest else 0) :].zero_()
 
 
-def _unpack(src: torch.Tensor, col: _Column, out: torch.Tensor) -> None:
+def unpack_column(src: torch.Tensor, col: _Column, out: torch.Tensor) -> None:
     """Copy a (size, row) block's columns for ``col`` back into the flat tensor ``out``."""
     full, rest = divmod(col.numel, col.chunk) if col.chunk else (0, 0)
     block = src[:, col.offset : col.offset + col.chunk]
@@ -111,7 +111,7 @@ class ScatterReducer(Reducer):
         )
 
     def _build(self, like, comm_dtype, bucket_bytes, first_bucket_bytes) -> None:
-        self.buckets, self.slots = _layout(like, self.size, bucket_bytes, first_bucket_bytes)
+        self.buckets, self.slots = flat_layout(like, self.size, bucket_bytes, first_bucket_bytes)
 
     def add(self, i: int, grad: torch.Tensor) -> None:
         col = self.slots[i]
@@ -134,7 +134,9 @@ class ScatterReducer(Reducer):
             return
         if getattr(bucket, "out", None) is None or _references(bucket.out) > 1:
             bucket.out = torch.empty(bucket.row, dtype=bucket.dtype, device=bucket.device)
-        bucket.work = _scatter(bucket.out, bucket.buffer, group=self.groups[0], async_op=True)
+        bucket.work = reduce_scatter_into(
+            bucket.out, bucket.buffer, group=self.groups[0], async_op=True
+        )
 
     def _result_rows(self) -> list[torch.Tensor]:
         return [_block(b, self.size)[self.index] if b.shared else b.out for b in self.buckets]
@@ -166,7 +168,7 @@ class ParamGather:
         self._group, self.size, self.index = GroupRef(group), size, index
         if size > 1:
             check_layout(like, [group], "pardist.optim.sharded")
-        self.buckets, self.columns = _layout(like, size, bucket_bytes, first_bucket_bytes)
+        self.buckets, self.columns = flat_layout(like, size, bucket_bytes, first_bucket_bytes)
         self.arena = None
         if size > 1 and all(b.device.type == "cpu" for b in self.buckets):
             offset = 0
@@ -201,16 +203,16 @@ class ParamGather:
         else:
             for b in self.buckets:
                 block = _block(b, self.size)
-                _gather(block.view(-1), block[self.index].clone(), group=self._group.get())
+                all_gather_into(block.view(-1), block[self.index].clone(), group=self._group.get())
                 sources.append(block)
         out = []
         for p, col in zip(params, self.columns):
             if p.is_contiguous():
                 target = p if in_place else torch.empty_like(p)
-                _unpack(sources[col.bucket], col, target.view(-1))
+                unpack_column(sources[col.bucket], col, target.view(-1))
             else:  # shards are in logical order; the parameter keeps its layout (channels_last)
                 flat = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
-                _unpack(sources[col.bucket], col, flat)
+                unpack_column(sources[col.bucket], col, flat)
                 target = p if in_place else torch.empty_like(p)
                 target.copy_(flat.view(p.shape))
             out.append(target)

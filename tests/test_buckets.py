@@ -1,0 +1,109 @@
+"""The pieces of a gradient's reduction, each on its own: buckets, the reducer, the choice.
+
+``transport.assign`` decides which gradients share a bucket, for the eager reducer,
+ZeRO's reduce-scatter and the compiled step alike (DDP's rule: reverse order, one
+dtype and device per bucket, a small first bucket so communication starts early).
+``Reducer`` averages in those buckets over real process groups, on both transports.
+``gradients._reduction.choose`` picks who reduces a call's gradients.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import pardist
+from pardist.gradients import _reduction
+from pardist.transport import Reducer, assign, signature
+
+F32, F64 = torch.float32, torch.float64
+
+
+def slots(like, bucket_bytes, first_bytes, width=torch.Tensor.numel, rows=1, comm=None):
+    buckets, places = assign(like, width, rows, comm, bucket_bytes, first_bytes)
+    return [b.slots for b in buckets], places, buckets
+
+
+def test_buckets_fill_in_reverse_and_close_at_their_size():
+    like = [torch.empty(10) for _ in range(4)]  # 40 bytes each
+    # The first bucket closes at 40 bytes (one tensor), the next at 80 (two).
+    got, places, _ = slots(like, bucket_bytes=80, first_bytes=40)
+    assert got == [[3], [2, 1], [0]]
+    # Each tensor's (bucket, column offset) in its bucket's row.
+    assert places == [(2, 0), (1, 10), (1, 0), (0, 0)]
+    assert slots(like, 1 << 30, 1 << 30)[0] == [[3, 2, 1, 0]]  # all in one
+
+
+def test_dtypes_and_devices_never_share_a_bucket():
+    like = [torch.empty(4, dtype=F32), torch.empty(4, dtype=F64), torch.empty(4, dtype=F32)]
+    got, _, buckets = slots(like, 1 << 30, 1 << 30)
+    assert got == [[2, 0], [1]]
+    assert [b.dtype for b in buckets] == [F32, F64]
+    meta = [torch.empty(4), torch.empty(4, device="meta"), torch.empty(4)]
+    assert slots(meta, 1 << 30, 1 << 30)[0] == [[2, 0], [1]]
+
+
+def test_compression_applies_to_floating_buckets_only():
+    like = [torch.empty(4, dtype=torch.int64), torch.empty(4, dtype=F32)]
+    _, _, buckets = slots(like, 1 << 30, 1 << 30, comm=torch.bfloat16)
+    assert [(b.dtype, b.comm_dtype) for b in buckets] == [
+        (F32, torch.bfloat16),
+        (torch.int64, None),
+    ]
+    _, _, same = slots(
+        [torch.empty(4, dtype=torch.bfloat16)], 1 << 30, 1 << 30, comm=torch.bfloat16
+    )
+    assert same[0].comm_dtype is None  # already in the communication dtype
+
+
+def test_a_reduce_scatter_bucket_is_rows_of_chunks():
+    # ZeRO: each tensor takes a chunk of ceil(numel / size) per row, one row per rank.
+    like = [torch.empty(5), torch.empty(8)]
+    chunk = lambda t: -(-t.numel() // 4)  # noqa: E731
+    got, places, buckets = slots(like, 1 << 30, 1 << 30, width=chunk, rows=4)
+    assert got == [[1, 0]] and places == [(0, 2), (0, 0)]
+    assert buckets[0].row == 2 + 2 and buckets[0].numel == 4 * 4
+
+
+def _reduce(dtypes):
+    """Every rank's own gradients, averaged by a Reducer in small buckets."""
+    rank, world = pardist.rank(), pardist.world_size()
+    g = torch.Generator().manual_seed(rank)
+    grads = [torch.randn(n, generator=g, dtype=d) for n, d in zip((7, 130, 3, 64), dtypes)]
+    groups = pardist.Mesh({"gpu": world}).groups("gpu")
+    reducer = Reducer([torch.empty_like(t) for t in grads], groups, world, bucket_bytes=256)
+    means = []
+    for _ in range(2):  # the buckets are reused by the next step
+        reducer.begin()
+        for i in reversed(range(len(grads))):  # as the backward produces them
+            reducer.add(i, grads[i])
+        means.append([m.clone() for m in reducer.finish()])
+    return grads, means
+
+
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_the_reducer_averages_over_real_ranks(run, transport):
+    dtypes = (F32, F64, F32, F64)
+    results = run(2, _reduce, dtypes, env={"PARDIST_SHM": "0"} if transport == "gloo" else None)
+    (a, _), (b, _) = results
+    # At two ranks each contribution is halved exactly, then one rounding: (a + b) / 2.
+    want = [(x + y) / 2 for x, y in zip(a, b)]
+    for _, means in results:
+        for step in means:
+            assert all(torch.equal(m, w) for m, w in zip(step, want))
+
+
+def test_the_choice_of_reduction():
+    rep = [torch.empty(3), torch.empty(2, 2)]
+    ctx = lambda size, scatter=frozenset(): types.SimpleNamespace(size=size, scatter=scatter)  # noqa: E731
+    choose = _reduction.choose
+    assert isinstance(choose(ctx(2), [], 1), _reduction.Local)  # nothing replicated
+    assert isinstance(choose(ctx(1), rep, 1), _reduction.Local)  # one rank
+    assert isinstance(choose(ctx(1), rep, 4), _reduction.Accumulate)  # micro-batches
+    assert isinstance(choose(ctx(2, frozenset({signature(rep)})), rep, 1), _reduction.Scatter)
+    other = frozenset({signature(rep[:1])})  # a sharded state of other parameters
+    chosen = choose(ctx(2, other), rep, 1)
+    assert isinstance(chosen, _reduction.AllReduce) and chosen.late  # one pass: after forward
+    assert not choose(ctx(2), rep, 2).late  # micro-batches: during the first backward
