@@ -95,7 +95,7 @@ def dynamic_loss_scale(
     def scale_fn(loss, state: LossScaleState):
         ctx = current_step()
         if ctx is not None:
-            ctx.loss_scaled = True  # non-finite steps are expected and skipped, not reported
+            ctx.call.loss_scaled = True  # non-finite steps are expected and skipped, not reported
         return _tree.tree_map(lambda x: x * state.scale.to(x.device), loss)
 
     def unscale_fn(grads, state: LossScaleState) -> tuple[Any, bool]:

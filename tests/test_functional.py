@@ -147,8 +147,8 @@ def _in_grad(with_grad: bool):
     g = torch.Generator().manual_seed(pardist.rank())
     x = torch.randn(8, 3, generator=g, dtype=F64) + pardist.rank()
     calls = []
-    original = collectives._reduce
-    collectives._reduce = lambda *a: calls.append(a) or original(*a)
+    original = collectives.reduce_groups
+    collectives.reduce_groups = lambda *a: calls.append(a) or original(*a)
     try:
 
         @pardist.data_parallel()
@@ -161,7 +161,7 @@ def _in_grad(with_grad: bool):
 
         new = step(params, buffers, x)
     finally:
-        collectives._reduce = original
+        collectives.reduce_groups = original
     return new["running_mean"], 0.1 * x.mean(0), len(calls)
 
 

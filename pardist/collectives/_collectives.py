@@ -36,7 +36,7 @@ import torch
 
 from pardist.collectives import _vma
 from pardist.compile import _traced
-from pardist.runtime import _mesh, _tree, compiled_plan, functorch
+from pardist.runtime import Compiled, Eager, _mesh, _tree, current_mode, functorch
 from pardist.transport import (
     AllGather,
     AllGatherInvariant,
@@ -143,8 +143,11 @@ def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
         {'n': tensor(3.)}
         >>> pardist.shutdown()
     """
-    if (plan := compiled_plan()) is not None:  # inside data_parallel(compile=True)
-        return _traced.psum(tree, axis, plan)
+    return current_mode().run("psum", tree, axis)
+
+
+@Eager.register("psum")
+def _psum(mode, tree: Any, axis) -> Any:
     return _reduction(
         tree,
         axis,
@@ -165,8 +168,11 @@ def pmean(tree: Any, axis: str | tuple[str, ...]) -> Any:
         [tensor([1., 3.])]
         >>> pardist.shutdown()
     """
-    if (plan := compiled_plan()) is not None:
-        return _traced.pmean(tree, axis, plan)
+    return current_mode().run("pmean", tree, axis)
+
+
+@Eager.register("pmean")
+def _pmean(mode, tree: Any, axis) -> Any:
     size = _mesh.current_mesh("pmean").size(axis, "pmean")
 
     def make(groups, tracked):
@@ -188,8 +194,11 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
         tensor([ 1., -2.])
         >>> pardist.shutdown()
     """
-    if (plan := compiled_plan()) is not None:
-        return _traced.pmax(tree, axis, plan)
+    return current_mode().run("pmax", tree, axis)
+
+
+@Eager.register("pmax")
+def _pmax(mode, tree: Any, axis) -> Any:
     return _reduction(
         tree,
         axis,
@@ -204,11 +213,20 @@ def _blockwise(tree: Any, axis, name: str, prepare, apply, vma) -> Any:
     ``prepare(x, size, where)`` checks a leaf and returns its dims,
     ``apply(x, group, dims)`` runs the collective, ``vma(v, axes)`` types it.
     """
-    if compiled_plan() is not None:  # data_parallel(compile=True) then runs the step eagerly
-        raise NotImplementedError(
-            f"pardist.{name} has no traceable form inside a compiled step; pass "
-            "compile=False (the step runs eagerly)"
-        )
+    return current_mode().run("blockwise", tree, axis, name, prepare, apply, vma)
+
+
+@Compiled.register("blockwise")
+def _blockwise_traced(mode, tree, axis, name: str, *_) -> Any:
+    # data_parallel(compile=True) then runs the step eagerly
+    raise NotImplementedError(
+        f"pardist.{name} has no traceable form inside a compiled step; pass "
+        "compile=False (the step runs eagerly)"
+    )
+
+
+@Eager.register("blockwise")
+def _blockwise_eager(mode, tree: Any, axis, name: str, prepare, apply, vma) -> Any:
     mesh = _mesh.current_mesh(name)
     where = f"pardist.{name}"
     names, size = mesh.axes(axis, name), mesh.size(axis, name)
@@ -251,8 +269,11 @@ def all_gather(
         tensor([[1., 2.]])
         >>> pardist.shutdown()
     """
-    if (plan := compiled_plan()) is not None:
-        return _traced.all_gather(tree, axis, dim, plan, invariant)
+    return current_mode().run("all_gather", tree, axis, dim, invariant)
+
+
+@Eager.register("all_gather")
+def _all_gather(mode, tree: Any, axis, dim: int, invariant: bool) -> Any:
     kind = AllGatherInvariant if invariant else AllGather
 
     def prepare(x: torch.Tensor, size: int, where: str) -> int:
@@ -294,9 +315,17 @@ def pvary(tree: Any, axis: str | tuple[str, ...]) -> Any:
         tensor([1., 1.])
         >>> pardist.shutdown()
     """
-    if (plan := compiled_plan()) is not None:  # nothing is tracked in a compiled step
-        _traced.axis_size(axis, plan)  # names an unknown axis
-        return _map(tree, "pardist.pvary", lambda x: x)
+    return current_mode().run("pvary", tree, axis)
+
+
+@Compiled.register("pvary")
+def _pvary_traced(mode, tree: Any, axis) -> Any:
+    _traced.axis_size(axis, mode.plan)  # names an unknown axis; nothing is tracked in a graph
+    return _map(tree, "pardist.pvary", lambda x: x)
+
+
+@Eager.register("pvary")
+def _pvary(mode, tree: Any, axis) -> Any:
     mesh = _mesh.current_mesh("pvary")
     names = mesh.axes(axis, "pvary")
     state = _vma.current()
@@ -327,13 +356,24 @@ def axis_index(axis: str | tuple[str, ...]) -> int:
         (0, 1)
         >>> pardist.shutdown()
     """
-    if (plan := compiled_plan()) is not None:
-        return _traced.axis_index(axis, plan)
-    return _mesh.current_mesh("axis_index").index(axis)
+    return current_mode().run("axis_index", axis)
 
 
 def axis_size(axis: str | tuple[str, ...]) -> int:
     """The number of ranks along ``axis`` (the product over a tuple of axes)."""
-    if (plan := compiled_plan()) is not None:
-        return _traced.axis_size(axis, plan)
-    return _mesh.current_mesh("axis_size").size(axis)
+    return current_mode().run("axis_size", axis)
+
+
+Eager.register("axis_index")(lambda mode, axis: _mesh.current_mesh("axis_index").index(axis))
+Eager.register("axis_size")(lambda mode, axis: _mesh.current_mesh("axis_size").size(axis))
+# A compiled step's rules: its graph's collectives, with the plan's static axes.
+Compiled.register("psum")(lambda mode, tree, axis: _traced.psum(tree, axis, mode.plan))
+Compiled.register("pmean")(lambda mode, tree, axis: _traced.pmean(tree, axis, mode.plan))
+Compiled.register("pmax")(lambda mode, tree, axis: _traced.pmax(tree, axis, mode.plan))
+Compiled.register("all_gather")(
+    lambda mode, tree, axis, dim, invariant: _traced.all_gather(
+        tree, axis, dim, mode.plan, invariant
+    )
+)
+Compiled.register("axis_index")(lambda mode, axis: _traced.axis_index(axis, mode.plan))
+Compiled.register("axis_size")(lambda mode, axis: _traced.axis_size(axis, mode.plan))

@@ -33,6 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from pardist.compile._plan import AxisInfo, Plan, make_plan
 from pardist.runtime import (
+    CallState,
+    Compiled,
     StepContext,
     TorchCompileInductorWrapper,
     _context,
@@ -78,7 +80,8 @@ def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
         compression=plan.compression,
         bucket_bytes=plan.bucket_bytes,
         first_bucket_bytes=plan.first_bucket_bytes,
-        plan=plan,
+        mode=Compiled(plan),
+        call=CallState(),
     )
     _context.push(ctx)
     try:

@@ -229,13 +229,13 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         else:
             inputs = list(map(_requires_grad_, map(torch.Tensor.detach, diff)))  # (in C)
         _vma.enter_grad(inputs, leaves, replicated)
-        mark = len(ctx.pending_means)
+        mark = len(ctx.call.pending_means)
         with torch.enable_grad():
             out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
         value, aux = split_value(out, call.has_aux, call.where)
         if reduction.late:
-            pending = ctx.pending_means[mark:]
-            del ctx.pending_means[mark:]
+            pending = ctx.call.pending_means[mark:]
+            del ctx.call.pending_means[mark:]
             hand.use(reduction, pending, 1)
         values.append(value.detach())
         if hand.carry and j == k - 1:  # before the last backward, which launches the buckets
@@ -278,7 +278,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
         if call.carry is not None and j < k - 1:
             # Superseded by the next micro-batch's: nothing to average at the end.
             gone = {id(x) for x in _tree.tree_leaves(aux)}
-            ctx.pending_means[:] = [t for t in ctx.pending_means if id(t) not in gone]
+            ctx.call.pending_means[:] = [t for t in ctx.call.pending_means if id(t) not in gone]
         auxes.append(aux)
     reduced = hand.reducer.finish() if hand.reducer is not None else []
     for m, t in enumerate(pending):

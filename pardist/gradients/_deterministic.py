@@ -44,9 +44,9 @@ def check_groups(groups: int, size: int, where: str) -> int:
     return groups // size
 
 
-def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
+def compute(mode, call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
     """(global value, aux, flat gradients) of one call, in the deterministic mode."""
-    where, groups = call.where, ctx.deterministic
+    where, groups = call.where, mode.groups
     n = check_groups(groups, ctx.size, where)
     if call.accumulate != 1 or call.mean != "ranks":
         raise ValueError(

@@ -40,7 +40,17 @@ from pardist.gradients import (
     _traced_grad,
 )
 from pardist.gradients._bucketed import Call
-from pardist.runtime import _tree, current_step, functorch, holds, laid_out_like
+from pardist.runtime import (
+    EAGER,
+    Compiled,
+    Deterministic,
+    Eager,
+    _tree,
+    current_step,
+    functorch,
+    holds,
+    laid_out_like,
+)
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -144,10 +154,11 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     """(value, aux, grads like args[argnums]); inside a step the value is the global loss."""
     nums = _argnums_tuple(argnums, len(args), where)
     ctx = current_step()
+    mode = ctx.mode if ctx is not None else EAGER
     k, mean = options["accumulate"], options["mean"]
     counts = None
     if mean == "tokens":  # the paths differentiate the sums; _tokens divides by the count
-        if ctx is not None and (ctx.deterministic or ctx.plan is not None):
+        if not mode.counts_tokens:
             raise NotImplementedError(
                 f"{where}: mean='tokens' is not supported in the deterministic mode or a "
                 "compiled step yet; use compile=False and deterministic=None, or return "
@@ -156,7 +167,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
         f, counts = _tokens.counted(f, has_aux, where)
         mean = "ranks"
     weighted = mean == "rows" and ctx is not None and ctx.size > 1
-    groups = ctx.deterministic if ctx is not None else 0
+    groups = mode.groups
     flat = [_tree.tree_flatten(a) for a in args]
     masks = _microbatch.batch_masks(
         flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted or groups
@@ -209,19 +220,26 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
     call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
     call.need_value = options["need_value"]
-    if groups:  # data_parallel(step, deterministic=G): the same bits at any world size
-        value, aux, grads = _deterministic.compute(call, ctx, leaves)
-    elif ctx is not None and ctx.plan is not None:  # inside data_parallel(compile=True)
-        value, aux, grads = _traced_grad.compute(call, ctx, leaves)
-    elif ctx is None and not _in_transform(leaves):  # autograd: checkpoints recompute
-        value, aux, grads = _bucketed.compute_local(call, leaves)
-    elif ctx is None or _in_transform(leaves):
-        value, aux, grads = _compute_functorch(call, ctx, leaves)
-    else:
-        value, aux, grads = _bucketed.compute(call, ctx, leaves)
+    value, aux, grads = mode.run("grad", call, ctx, leaves)
     if counts is not None:
         value, grads = _tokens.weigh(value, grads, leaves, call, ctx, counts)
     return value, aux, _regroup(grads, [flat[n] for n in nums])
+
+
+# The gradient's path, one rule per way a step runs (runtime._modes).
+Deterministic.register("grad")(_deterministic.compute)  # the same bits at any world size
+Compiled.register("grad")(_traced_grad.compute)  # inside data_parallel(compile=True)
+
+
+@Eager.register("grad")
+def _eager(mode, call: Call, ctx, leaves: list):
+    """Autograd's backward, reducing in buckets inside a step; torch.func's grad where
+    the call is nested in another transform or an outer autograd graph."""
+    if _in_transform(leaves):
+        return _compute_functorch(call, ctx, leaves)
+    if ctx is None:  # autograd: checkpoints recompute
+        return _bucketed.compute_local(call, leaves)
+    return _bucketed.compute(call, ctx, leaves)
 
 
 def _regroup(grads: list, flat: list) -> Any:

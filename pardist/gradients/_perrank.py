@@ -74,7 +74,7 @@ def global_value(values: torch.Tensor, counts: list[int] | None, mean: str, dtyp
 
 def checked(values: torch.Tensor, ctx: StepContext) -> bool:
     """Whether :func:`report` looks at these values (reading them costs a host sync)."""
-    if ctx.loss_scaled:  # pardist.amp.dynamic_loss_scale skips such steps on purpose
+    if ctx.call.loss_scaled:  # pardist.amp.dynamic_loss_scale skips such steps on purpose
         return False
     return values.device.type == "cpu" or debug_enabled()
 

@@ -29,7 +29,7 @@ __all__ = ["compute"]
 
 def _loss_table(mine: torch.Tensor, ctx: StepContext, dtype: torch.dtype) -> torch.Tensor:
     """Every rank's slot zero but this rank's, which holds its loss."""
-    info = ctx.plan.axes[ctx.plan.axis_key]
+    info = ctx.mode.plan.axes[ctx.mode.plan.axis_key]
     table = torch.zeros(ctx.size, dtype=dtype, device=mine.device)
     table[info.index] = mine.detach().to(dtype)
     return table
@@ -40,9 +40,9 @@ def _global(table: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     return table.detach().double().mean().to(mine.dtype)
 
 
-def compute(call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
+def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
     """(value, aux, flat grads in ``leaves``' order); the value is global for value_and_grad."""
-    plan, k, replicated = ctx.plan, call.accumulate, call.replicated
+    plan, k, replicated = mode.plan, call.accumulate, call.replicated
     reduce = ctx.size > 1 and any(replicated)
     if call.mean == "rows" and reduce:
         raise NotImplementedError(

@@ -322,13 +322,13 @@ def synchronised(skeleton: nn.Module | None, train: bool, where: str, seen: dict
     module that called no batch-norm function then runs without the mode.
     """
     ctx = current_step()
-    if not train or ctx is None or (ctx.size == 1 and not ctx.deterministic):
+    if not train or ctx is None or (ctx.size == 1 and not ctx.mode.groups):
         return contextlib.nullcontext()
     if torch.compiler.is_compiling():  # traced: a graph, no per-op cost to save
         return _CrossReplica(ctx.axis, skeleton, where, None)
     if seen is not None and seen.get("none"):
         return contextlib.nullcontext()
-    return _CrossReplica(ctx.axis, skeleton, where, seen, ctx.deterministic)
+    return _CrossReplica(ctx.axis, skeleton, where, seen, ctx.mode.groups)
 
 
 def _has_norm_modules(skeleton: nn.Module | None) -> bool:

@@ -20,7 +20,15 @@ from torch import nn
 
 from pardist.collectives import _collectives
 from pardist.nn import _batchnorm, _frozen, _remat
-from pardist.runtime import _lockstep, _placement, _tree, current_step
+from pardist.runtime import (
+    Compiled,
+    Deterministic,
+    Eager,
+    _lockstep,
+    _placement,
+    _tree,
+    current_step,
+)
 from pardist.sharding import _apply, _units
 
 __all__ = ["functional"]
@@ -250,27 +258,37 @@ def functional(
             else:
                 out = slots.call(params, new_buffers, inputs, kwargs, enter)
         ctx = current_step()
-        if train and not sync_bn and ctx is not None and ctx.deterministic:
-            if _batchnorm._has_norm_modules(skeleton):
-                raise ValueError(
-                    f"{where}: sync_bn=False normalises each rank's rows on their own, which "
-                    "the deterministic mode cannot make the same at every world size. Use "
-                    "pardist.functional(model) (sync_bn=True): statistics over the global "
-                    "batch, added over the row groups in order."
-                )
-        elif train and not sync_bn and ctx is not None and ctx.size > 1:
+        if train and not sync_bn and ctx is not None and (ctx.size > 1 or ctx.mode.groups):
             stats = {
                 k: v for k, v in new_buffers.items() if v.is_floating_point() and k not in frozen
             }
-            if ctx.plan is not None:  # a compiled step: averaged here, in its graph
-                new_buffers.update(
-                    _collectives.pmean(_tree.tree_map(torch.detach, stats), ctx.axis)
-                )
-            else:
-                # Averaged over the axis by the end of the step, in place: with the
-                # gradients if pardist.grad runs, else on their own (see data_parallel).
-                ctx.pending_means.extend(stats.values())
+            ctx.mode.run("batch_stats", ctx, stats, new_buffers, skeleton, where)
         return out, new_buffers
 
     apply.__doc__ = f"Pure forward of {type(module).__name__}: (outputs, new_buffers)."
     return apply, params, buffers
+
+
+# sync_bn=False: each rank's batch statistics, left to average over the step's axis.
+@Eager.register("batch_stats")
+def _pending(mode, ctx, stats: dict, new_buffers: dict, skeleton, where: str) -> None:
+    # Averaged by the end of the step, in place: with the gradients if pardist.grad
+    # runs, else on their own (see data_parallel).
+    ctx.call.pending_means.extend(stats.values())
+
+
+@Compiled.register("batch_stats")
+def _averaged(mode, ctx, stats: dict, new_buffers: dict, skeleton, where: str) -> None:
+    # A compiled step: averaged here, in its graph.
+    new_buffers.update(_collectives.pmean(_tree.tree_map(torch.detach, stats), ctx.axis))
+
+
+@Deterministic.register("batch_stats")
+def _refused(mode, ctx, stats: dict, new_buffers: dict, skeleton, where: str) -> None:
+    if _batchnorm._has_norm_modules(skeleton):
+        raise ValueError(
+            f"{where}: sync_bn=False normalises each rank's rows on their own, which "
+            "the deterministic mode cannot make the same at every world size. Use "
+            "pardist.functional(model) (sync_bn=True): statistics over the global "
+            "batch, added over the row groups in order."
+        )

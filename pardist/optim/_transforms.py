@@ -10,7 +10,15 @@ from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives
 from pardist.optim._base import GradientTransformation
-from pardist.runtime import _tree, compiled_plan, foreach_mul, foreach_norm, shard_group
+from pardist.runtime import (
+    Compiled,
+    Eager,
+    _tree,
+    current_mode,
+    foreach_mul,
+    foreach_norm,
+    shard_group,
+)
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 
@@ -34,12 +42,21 @@ def global_norm(tree) -> torch.Tensor:
     squares = norms.square()
     mask = torch.tensor(shards, device=squares.device)
     sharded = squares[mask].sum()
-    if (plan := compiled_plan()) is not None:  # a compiled step: over its (or the state's) axis
-        return (squares[~mask].sum() + _collectives.psum(sharded, group or plan.axis)).sqrt()
+    return (squares[~mask].sum() + current_mode().run("sum_shards", sharded, group, leaves)).sqrt()
+
+
+@Eager.register("sum_shards")
+def _sum_shards(mode, sharded: torch.Tensor, group, leaves: list) -> torch.Tensor:
+    """The sum over ranks of their shards' squares (over ``group``, else the DTensors')."""
     if group is None:
         group = next(x for x in leaves if isinstance(x, DTensor)).device_mesh.get_group()
     dist.all_reduce(sharded, group=group)
-    return (squares[~mask].sum() + sharded).sqrt()
+    return sharded
+
+
+@Compiled.register("sum_shards")
+def _sum_shards_traced(mode, sharded: torch.Tensor, group, leaves: list) -> torch.Tensor:
+    return _collectives.psum(sharded, group or mode.plan.axis)  # over its (or the state's) axis
 
 
 def clip_by_global_norm(max_norm: float, eps: float = 1e-6) -> GradientTransformation:

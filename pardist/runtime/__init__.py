@@ -33,9 +33,11 @@ from pardist.runtime._compat import (
     torchrun_parser,
 )
 from pardist.runtime._context import (
+    CallState,
     Ids,
     StepContext,
     compiled_plan,
+    current_mode,
     current_step,
     debug_enabled,
     donating,
@@ -56,6 +58,7 @@ from pardist.runtime._layout import (
 )
 from pardist.runtime._lockstep import Lockstep
 from pardist.runtime._mesh import Mesh, current_mesh, distributed, init
+from pardist.runtime._modes import EAGER, Compiled, Deterministic, Eager, Mode
 from pardist.runtime._process import (
     GroupRef,
     device,
@@ -74,7 +77,14 @@ from pardist.runtime._signature import Signature
 from pardist.runtime._warnings import DuplicateBatchWarning, NonFiniteLossWarning
 
 __all__ = [
+    "EAGER",
+    "Compiled",
+    "Deterministic",
+    "Eager",
+    "Mode",
+    "current_mode",
     "MARKER",
+    "CallState",
     "CheckpointError",
     "DisableTorchFunctionSubclass",
     "DuplicateBatchWarning",

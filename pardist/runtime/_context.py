@@ -16,11 +16,14 @@ from typing import Any
 import torch
 
 from pardist.runtime._mesh import Mesh
+from pardist.runtime._modes import EAGER, Mode
 
 __all__ = [
+    "CallState",
     "Ids",
     "StepContext",
     "compiled_plan",
+    "current_mode",
     "current_step",
     "debug_enabled",
     "donating",
@@ -33,9 +36,22 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
+class CallState:
+    """What one call of a step gathers as it runs; the context around it is frozen."""
+
+    def __init__(self):
+        # Tensors made in the step that must end it averaged over the axis (batch-norm
+        # statistics with sync_bn=False): pardist.grad carries them with the gradients.
+        self.pending_means: list = []
+        # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
+        # pardist.grad does not report them.
+        self.loss_scaled = False
+
+
+@dataclasses.dataclass(frozen=True)
 class StepContext:
-    """One call of a data-parallel step, as seen from inside it."""
+    """One call of a data-parallel step, as seen from inside it (frozen: what the call
+    gathers as it runs is in ``call``, the buckets kept between calls in ``reducers``)."""
 
     name: str  # "pardist.data_parallel(train_step)", for error messages
     mesh: Mesh
@@ -46,22 +62,16 @@ class StepContext:
     donated: set[int] | list[torch.Tensor]  # donated by the caller
     reducers: dict[Any, Any]  # persistent across calls: reducers by key, agreed row totals
     scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
-    # Tensors made in the step that must end it averaged over the axis (batch-norm
-    # statistics with sync_bn=False): pardist.grad carries them with the gradients.
-    pending_means: list = dataclasses.field(default_factory=list)
     compression: torch.dtype | None = None
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
     inputs: Any = dataclasses.field(default_factory=set)  # every leaf: Ids, or traced: a list
-    # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
-    # pardist.grad does not report them.
-    loss_scaled: bool = False
-    # Inside data_parallel(step, compile=True): the step's static facts (compile._plan.Plan);
-    # collectives and pardist.grad then take their traceable paths. None when eager.
-    plan: Any = None
-    # data_parallel(step, deterministic=G): the number of row groups (0: off).
-    deterministic: int = 0
+    call: CallState = dataclasses.field(default_factory=CallState)
+    # How this step runs (runtime._modes): eager, deterministic or compiled. Operations
+    # take its rules; ``mode.plan`` is a compiled step's static facts, ``mode.groups``
+    # the deterministic mode's row groups.
+    mode: Mode = EAGER
 
 
 class Ids:
@@ -86,9 +96,14 @@ def current_step() -> StepContext | None:
     return _active[-1] if _active else None
 
 
+def current_mode() -> Mode:
+    """How the innermost running step runs (:data:`EAGER` outside of any step)."""
+    return _active[-1].mode if _active else EAGER
+
+
 def compiled_plan() -> Any:
     """The plan of the innermost running step if it is a compiled one, else None."""
-    return _active[-1].plan if _active else None
+    return _active[-1].mode.plan if _active else None
 
 
 def push(ctx: StepContext) -> None:
@@ -143,14 +158,14 @@ def donating(tensors: list[torch.Tensor]) -> Iterator[None]:
     if traced:
         ctx.donated.extend(added)
     else:
-        ctx.donated |= ids
+        ctx.donated.update(ids)
     try:
         yield
     finally:
         if traced:
             del ctx.donated[len(ctx.donated) - len(added) :]
         else:
-            ctx.donated -= ids
+            ctx.donated.difference_update(ids)
 
 
 _shard_groups: list = []

@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _collectives, _vma
 from pardist.compile import _step
 from pardist.runtime import (
+    EAGER,
+    Deterministic,
     Ids,
     ShardsGradients,
     StepContext,
@@ -73,7 +75,7 @@ class Step:
         deterministic: int = 0,
     ):
         functools.update_wrapper(self, fn)
-        self.deterministic = deterministic
+        self.mode = Deterministic(deterministic) if deterministic else EAGER  # when eager
         self.fn, self.axis, self.mesh = fn, axis, mesh
         self.in_specs, self.out_specs = in_specs, out_specs
         self.donate_argnums = (
@@ -249,7 +251,7 @@ class Step:
             compression=self.compression,
             overlap=self.overlap,
             bucket_bytes=int(self.bucket_mb * 2**20),
-            deterministic=self.deterministic,
+            mode=self.mode,
         )
         # Track varying axes only where an axis beyond the data axes can make values differ.
         live = {a for a, n in mesh.shape.items() if n > 1}
@@ -257,10 +259,10 @@ class Step:
         typed_problem = None
         with entered(ctx), _vma.tracking(state), self._tracker(state, leaves, specs):
             out = self.fn(*args, **kwargs)
-            if ctx.pending_means:  # statistics no gradient computation carried
-                means = _collectives.pmean(ctx.pending_means, axes)
+            if ctx.call.pending_means:  # statistics no gradient computation carried
+                means = _collectives.pmean(ctx.call.pending_means, axes)
                 with _vma.paused():
-                    for t, mean in zip(ctx.pending_means, means):
+                    for t, mean in zip(ctx.call.pending_means, means):
                         t.copy_(mean)
             if state is not None:
                 typed_problem = self._typed_outputs(out, state, axes)
