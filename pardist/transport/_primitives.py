@@ -33,6 +33,7 @@ __all__ = [
     "AllGatherInvariant",
     "AllToAll",
     "Pmax",
+    "Pscatter",
     "Psum",
     "PsumInvariant",
     "PsumScatter",
@@ -113,75 +114,130 @@ def gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-def _batched(fn, in_dims, x, *dims):
-    """A vmap rule: the batch dim goes first and every tensor dim moves up by one."""
-    if in_dims[0] is None:
-        return fn(x, *dims), None
-    return fn(x.movedim(in_dims[0], 0), *(d + 1 for d in dims)), 0
+def _collective(name: str, doc: str, forward, transpose, dims: tuple[int, ...] = ()) -> type:
+    """An autograd Function for one collective, from its (forward, transpose) pair.
 
+    ``forward(x, *static)`` runs the collective; ``transpose(grad, *static)`` is the
+    backward, itself a collective of the table below. ``dims`` names the static
+    arguments that are dims of ``x``: a vmap moves the batch dim first and those up
+    by one; a collective without dims is elementwise over the batch.
+    """
 
-# The reductions take their transport ``reduce(x, groups, op)`` as an argument, so
-# that pardist._collectives decides (and tests can count) how values travel.
-
-
-class Psum(torch.autograd.Function):
-    """Sum over the groups; transpose: itself (every value counts as varying)."""
-
-    @staticmethod
-    def forward(x, groups, reduce):
-        return reduce(x, groups, "sum")
-
-    @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.groups, ctx.reduce = inputs
+        ctx.static = inputs[1:]
 
-    @staticmethod
     def backward(ctx, grad):
-        return Psum.apply(grad, ctx.groups, ctx.reduce), None, None
+        return transpose(grad, *ctx.static), *([None] * len(ctx.static))
 
-    @staticmethod
-    def vmap(info, in_dims, x, groups, reduce):
-        return Psum.apply(x, groups, reduce), in_dims[0]
+    def vmap(info, in_dims, x, *static):
+        if not dims or in_dims[0] is None:
+            return fn.apply(x, *static), in_dims[0]
+        moved = [s + 1 if i in dims else s for i, s in enumerate(static)]
+        return fn.apply(x.movedim(in_dims[0], 0), *moved), 0
 
-
-class PsumInvariant(torch.autograd.Function):
-    """Sum of a varying value, invariant over the groups; transpose: ``pvary``."""
-
-    @staticmethod
-    def forward(x, groups, reduce):
-        return reduce(x, groups, "sum")
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.groups, ctx.reduce = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return Pvary.apply(grad, ctx.groups, ctx.reduce), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, groups, reduce):
-        return PsumInvariant.apply(x, groups, reduce), in_dims[0]
+    body = {"forward": forward, "setup_context": setup_context, "backward": backward, "vmap": vmap}
+    fn = type(name, (torch.autograd.Function,), {k: staticmethod(v) for k, v in body.items()})
+    fn.__doc__, fn.__module__ = doc, __name__
+    return fn
 
 
-class Pvary(torch.autograd.Function):
-    """Identity, typed from invariant to varying; transpose: ``psum``."""
+def _gathered(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return torch.cat(gather_parts(x, group), dim=dim)
 
-    @staticmethod
-    def forward(x, groups, reduce):
-        return x.view_as(x)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.groups, ctx.reduce = inputs
+def _psum_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if _shared(x, group) is not None:  # shared memory: an all-reduce is the fast path
+        total = reduce(x, [group], "sum")
+        block = total.shape[dim] // size
+        return total.narrow(dim, dist.get_rank(group) * block, block).clone()
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    with _faults.collective_errors("pardist.psum_scatter", group):
+        _reduce_scatter(out, moved, group=group)
+    return out.movedim(0, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return PsumInvariant.apply(grad, ctx.groups, ctx.reduce), None, None
 
-    @staticmethod
-    def vmap(info, in_dims, x, groups, reduce):
-        return Pvary.apply(x, groups, reduce), in_dims[0]
+def _pscatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    block = x.shape[dim] // dist.get_world_size(group)
+    return x.narrow(dim, dist.get_rank(group) * block, block).clone()
+
+
+def _all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> torch.Tensor:
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    blocks = x.movedim(split_dim, 0)
+    blocks = blocks.reshape(size, blocks.shape[0] // size, *blocks.shape[1:]).contiguous()
+    shm = _shared(x, group)
+    everyone = shm.all_gather(blocks, "pardist.all_to_all") if shm is not None else None
+    if everyone is not None:
+        received = [theirs[me] for theirs in everyone]
+    else:
+        out = torch.empty_like(blocks)
+        agree("pardist.all_to_all", blocks, group)
+        with _faults.collective_errors("pardist.all_to_all", group):
+            dist.all_to_all_single(out, blocks, group=group)
+        received = list(out.unbind(0))
+    return torch.cat([b.movedim(0, split_dim) for b in received], dim=concat_dim)
+
+
+# The collectives, each written once as (forward, transpose). The reductions take
+# their transport ``reduce(x, groups, op)`` as an argument, so that
+# pardist.collectives decides (and tests can count) how values travel.
+_summed = lambda x, groups, reduce: reduce(x, groups, "sum")  # noqa: E731
+Psum = _collective(
+    "Psum",
+    "Sum over the groups; transpose: itself (every value counts as varying).",
+    _summed,
+    lambda g, groups, reduce: Psum.apply(g, groups, reduce),
+)
+PsumInvariant = _collective(
+    "PsumInvariant",
+    "Sum of a varying value, invariant over the groups; transpose: ``pvary``.",
+    _summed,
+    lambda g, groups, reduce: Pvary.apply(g, groups, reduce),
+)
+Pvary = _collective(
+    "Pvary",
+    "Identity, typed from invariant to varying; transpose: ``psum``.",
+    lambda x, groups, reduce: x.view_as(x),
+    lambda g, groups, reduce: PsumInvariant.apply(g, groups, reduce),
+)
+AllGather = _collective(
+    "AllGather",
+    "Concatenate along ``dim`` in axis order; transpose: ``psum_scatter``.",
+    _gathered,
+    lambda g, group, dim: PsumScatter.apply(g, group, dim),
+    dims=(1,),
+)
+PsumScatter = _collective(
+    "PsumScatter",
+    "Sum over the group, then keep this rank's block of ``dim``; transpose: ``all_gather``.",
+    _psum_scatter,
+    lambda g, group, dim: AllGather.apply(g, group, dim),
+    dims=(1,),
+)
+AllGatherInvariant = _collective(
+    "AllGatherInvariant",
+    "``all_gather`` whose result is invariant over the group; transpose: ``pscatter``.",
+    _gathered,
+    lambda g, group, dim: Pscatter.apply(g, group, dim),
+    dims=(1,),
+)
+Pscatter = _collective(
+    "Pscatter",
+    "This rank's block of ``dim`` of an invariant value; transpose: ``all_gather_invariant``.",
+    _pscatter,
+    lambda g, group, dim: AllGatherInvariant.apply(g, group, dim),
+    dims=(1,),
+)
+AllToAll = _collective(
+    "AllToAll",
+    "Block j of ``split_dim`` goes to rank j; received blocks are concatenated along "
+    "``concat_dim`` in rank order. Transpose: itself with the two dims swapped.",
+    _all_to_all,
+    lambda g, group, split_dim, concat_dim: AllToAll.apply(g, group, concat_dim, split_dim),
+    dims=(1, 2),
+)
 
 
 class Pmax(torch.autograd.Function):
@@ -211,129 +267,3 @@ class Pmax(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, x, groups, reduce, invariant):
         return Pmax.apply(x, groups, reduce, invariant), in_dims[0]
-
-
-class AllGather(torch.autograd.Function):
-    """Concatenate along ``dim`` in axis order; transpose: ``psum_scatter``."""
-
-    @staticmethod
-    def forward(x, group, dim):
-        return torch.cat(gather_parts(x, group), dim=dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return PsumScatter.apply(grad, ctx.group, ctx.dim), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, group, dim):
-        return _batched(lambda x, d: AllGather.apply(x, group, d), in_dims, x, dim)
-
-
-class PsumScatter(torch.autograd.Function):
-    """Sum over the group, then keep this rank's block of ``dim``; transpose: ``all_gather``."""
-
-    @staticmethod
-    def forward(x, group, dim):
-        size = dist.get_world_size(group)
-        if _shared(x, group) is not None:  # shared memory: an all-reduce is the fast path
-            total = reduce(x, [group], "sum")
-            block = total.shape[dim] // size
-            return total.narrow(dim, dist.get_rank(group) * block, block).clone()
-        moved = x.movedim(dim, 0).contiguous()
-        out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-        with _faults.collective_errors("pardist.psum_scatter", group):
-            _reduce_scatter(out, moved, group=group)
-        return out.movedim(0, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return AllGather.apply(grad, ctx.group, ctx.dim), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, group, dim):
-        return _batched(lambda x, d: PsumScatter.apply(x, group, d), in_dims, x, dim)
-
-
-class AllGatherInvariant(torch.autograd.Function):
-    """``all_gather`` whose result is invariant over the group; transpose: ``pscatter``."""
-
-    @staticmethod
-    def forward(x, group, dim):
-        return torch.cat(gather_parts(x, group), dim=dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return Pscatter.apply(grad, ctx.group, ctx.dim), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, group, dim):
-        return _batched(lambda x, d: AllGatherInvariant.apply(x, group, d), in_dims, x, dim)
-
-
-class Pscatter(torch.autograd.Function):
-    """This rank's block of ``dim`` of an invariant value; transpose: ``all_gather_invariant``."""
-
-    @staticmethod
-    def forward(x, group, dim):
-        block = x.shape[dim] // dist.get_world_size(group)
-        return x.narrow(dim, dist.get_rank(group) * block, block).clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.dim = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return AllGatherInvariant.apply(grad, ctx.group, ctx.dim), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, group, dim):
-        return _batched(lambda x, d: Pscatter.apply(x, group, d), in_dims, x, dim)
-
-
-class AllToAll(torch.autograd.Function):
-    """Block j of ``split_dim`` goes to rank j; received blocks are concatenated along
-    ``concat_dim`` in rank order. Transpose: itself with the two dims swapped."""
-
-    @staticmethod
-    def forward(x, group, split_dim, concat_dim):
-        size, me = dist.get_world_size(group), dist.get_rank(group)
-        blocks = x.movedim(split_dim, 0)
-        blocks = blocks.reshape(size, blocks.shape[0] // size, *blocks.shape[1:]).contiguous()
-        shm = _shared(x, group)
-        everyone = shm.all_gather(blocks, "pardist.all_to_all") if shm is not None else None
-        if everyone is not None:
-            received = [theirs[me] for theirs in everyone]
-        else:
-            out = torch.empty_like(blocks)
-            agree("pardist.all_to_all", blocks, group)
-            with _faults.collective_errors("pardist.all_to_all", group):
-                dist.all_to_all_single(out, blocks, group=group)
-            received = list(out.unbind(0))
-        return torch.cat([b.movedim(0, split_dim) for b in received], dim=concat_dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.split_dim, ctx.concat_dim = inputs
-
-    @staticmethod
-    def backward(ctx, grad):
-        return AllToAll.apply(grad, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, group, split_dim, concat_dim):
-        return _batched(
-            lambda x, s, c: AllToAll.apply(x, group, s, c), in_dims, x, split_dim, concat_dim
-        )
