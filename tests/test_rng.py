@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -203,3 +204,41 @@ def test_numpy_masking_is_per_row_group_and_the_same_at_every_world_size(run):
     # batch would be masked as rank 0's): the gradients differ from one process's.
     two = run(2, _spec_augment, None)[0]
     assert not all(torch.equal(one[0][k], two[0][k]) for k in one[0])
+
+
+def _numpy_states_equal(a, b) -> bool:
+    import numpy as np
+
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+@pytest.mark.parametrize("cached_gauss", [False, True])
+@pytest.mark.parametrize("how", ["fast", "numpy"])
+def test_numpy_state_comes_back_exactly(monkeypatch, how, cached_gauss):
+    # A step gives NumPy's global generator back as get_state had it, the cached second
+    # Gaussian (has_gauss, gauss) included, whether saved by one memmove or by NumPy.
+    import numpy as np
+
+    from pardist.runtime import _numpy_rng
+
+    monkeypatch.setattr(_numpy_rng, "_fast", how == "fast")
+    np.random.seed(7)
+    if cached_gauss:
+        np.random.standard_normal()  # draws two, keeps one
+    before = np.random.get_state()
+    assert before[3] == int(cached_gauss)
+    saved = _numpy_rng.save()
+    assert saved[0] == how
+    np.random.seed(1)
+    np.random.rand(5), np.random.standard_normal(3)  # the step's own draws
+    _numpy_rng.restore(saved)
+    assert _numpy_states_equal(np.random.get_state(), before)
+    want = np.random.standard_normal(4)
+    np.random.set_state(before)
+    assert np.array_equal(np.random.standard_normal(4), want)
+
+
+def test_the_fast_numpy_path_is_taken_where_it_is_exact():
+    from pardist.runtime import _numpy_rng
+
+    assert _numpy_rng._works()  # numpy 2.x's MT19937 here; else NumPy's own calls

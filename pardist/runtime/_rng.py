@@ -32,6 +32,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from pardist.runtime import _numpy_rng
+
 __all__ = ["group_seed", "rank_index", "rng_count", "set_rng_count", "stream"]
 
 _state = {"count": 0, "depth": 0, "seed": 0}
@@ -114,7 +116,7 @@ def stream(index: int) -> Iterator[None]:
     cuda = _cuda()
     cpu_state = torch.default_generator.get_state()
     cuda_state = torch.cuda.get_rng_state() if cuda else None
-    np_state, py_state = np.random.get_state(), random.getstate()
+    np_state, py_state = _numpy_rng.save(), random.getstate()
     _state["seed"] = torch.initial_seed()
     _seed(derive(_state["seed"], index, _state["count"]), cuda)
     _state["depth"] += 1
@@ -126,5 +128,5 @@ def stream(index: int) -> Iterator[None]:
         torch.default_generator.set_state(cpu_state)
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state)
-        np.random.set_state(np_state)
+        _numpy_rng.restore(np_state)
         random.setstate(py_state)
