@@ -61,6 +61,11 @@ class StepContext:
     varying: set[int] | list[torch.Tensor]  # sharded over the step's axis
     donated: set[int] | list[torch.Tensor]  # donated by the caller
     reducers: dict[Any, Any]  # persistent across calls: reducers by key, agreed row totals
+    # How this step runs (runtime._modes): eager, deterministic or compiled. Operations
+    # take its rules; ``mode.plan`` is a compiled step's static facts, ``mode.groups``
+    # the deterministic mode's row groups. (No default: dynamo of torch 2.11 cannot
+    # hold a mode object as a default while it traces a compiled step's context.)
+    mode: Mode
     scatter: frozenset = frozenset()  # parameter signatures whose optimizer state is sharded
     compression: torch.dtype | None = None
     overlap: bool = False
@@ -68,10 +73,6 @@ class StepContext:
     first_bucket_bytes: int = 2**20
     inputs: Any = dataclasses.field(default_factory=set)  # every leaf: Ids, or traced: a list
     call: CallState = dataclasses.field(default_factory=CallState)
-    # How this step runs (runtime._modes): eager, deterministic or compiled. Operations
-    # take its rules; ``mode.plan`` is a compiled step's static facts, ``mode.groups``
-    # the deterministic mode's row groups.
-    mode: Mode = EAGER
 
 
 class Ids:
