@@ -107,3 +107,28 @@ def test_the_choice_of_reduction():
     chosen = choose(ctx(2, other), rep, 1)
     assert isinstance(chosen, _reduction.AllReduce) and chosen.late  # one pass: after forward
     assert not choose(ctx(2), rep, 2).late  # micro-batches: during the first backward
+
+
+def _bucket_sums(numels):
+    """The compiled step's bucket operator, called eagerly: this rank's tensors and sums."""
+    import torch.distributed as dist
+
+    rank, world = pardist.rank(), pardist.world_size()
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(n, generator=g, dtype=F32) for n in numels]
+    divisors = [float(world), 1.0, 7.0][: len(xs)]
+    group = dist.group.WORLD.group_name
+    return xs, divisors, torch.ops.pardist.shm_sum_bucket(xs, group, divisors)
+
+
+@pytest.mark.parametrize("numels", [(5, 300, 17), (700_000, 600_000, 3)], ids=["small", "arena"])
+def test_the_compiled_bucket_sum_divides_then_sums(run, numels):
+    # The second case (5.2 MB) exceeds the shared collective region: it takes the arena,
+    # where each quotient is written straight into the rank's region.
+    import pardist.compile  # noqa: F401  (registers torch.ops.pardist)
+
+    (a, divisors, sums_a), (b, _, sums_b) = run(2, _bucket_sums, numels)
+    # Each quotient rounds (divisor 7), then one rounding of the sum: not (a + b) / 7.
+    want = [x / d + y / d if d != 1 else x + y for x, y, d in zip(a, b, divisors)]
+    for sums in (sums_a, sums_b):
+        assert all(torch.equal(s, w) for s, w in zip(sums, want))

@@ -94,9 +94,10 @@ def test_step_compiles_to_one_graph_with_the_eager_numbers(run, world1, model, o
     results = run(2, _train_both, model, opt_name, backend, timeout=LIMIT)
     for *_, graphs, collectives in results:
         assert graphs == 1  # one graph, and the second and third calls did not recompile
-        # The gradient mean (and sync batch norm's statistics: a psum per layer in
-        # the forward, another in the backward) are nodes of the graph.
-        assert collectives["shm_all_reduce"] >= (5 if model == "convnet" else 1)
+        # The gradient mean (a sum per bucket) and sync batch norm's statistics (a
+        # psum per layer in the forward, another in the backward) are graph nodes.
+        assert collectives["shm_sum_bucket"] >= 1
+        assert collectives["shm_all_reduce"] >= (4 if model == "convnet" else 0)
     _assert_replicas_identical(results)
     # (float64: a compiled AdamW's bias corrections are computed in float64 too; in
     # float32 they were 1.3e-5 off, 6e-6 of an update a step)
@@ -112,6 +113,43 @@ def _loss_compiled(sync_bn: bool):
     # Per-rank batch norm is DDP's (no SyncBatchNorm on CPU): DDP is the reference there.
     ddp = None if sync_bn else helpers.train_ddp("convnet", "sgd", steps=3, dtype=F64)
     return eager, compiled, ddp
+
+
+def _wide_net() -> torch.nn.Module:
+    torch.manual_seed(0)  # 565,600 float64 parameters: a 4.5 MB bucket, past the shared region
+    return torch.nn.Sequential(torch.nn.Linear(8, 700), torch.nn.Tanh(), torch.nn.Linear(700, 800))
+
+
+def _wide_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, 8, generator=g, dtype=F64), torch.randn(6, 800, generator=g, dtype=F64)
+
+
+def _wide_grads():
+    counter = _Counter("aot_eager")
+    apply, params, buffers = pardist.functional(_wide_net().to(F64))
+
+    def step(params, batch):
+        x, y = batch
+        return pardist.value_and_grad(lambda p: F.mse_loss(apply(p, buffers, x)[0], y))(params)
+
+    step = pardist.data_parallel(step, compile={"backend": counter})
+    rank, world = pardist.rank(), pardist.world_size()
+    batch = tuple(helpers.shard(t, rank, world) for t in _wide_batch())
+    return step(params, batch), _collectives_in(counter.graphs)
+
+
+def test_a_large_bucket_is_divided_into_shared_memory_inside_the_graph(run):
+    # One micro-batch at 3 ranks: the graph's bucket operator divides each gradient by
+    # the rank count as it writes it into shared memory (the arena, past 4 MB).
+    net = _wide_net().to(F64)
+    x, y = _wide_batch()
+    loss = F.mse_loss(net(x), y)  # one process, the whole batch: the reference
+    want = dict(zip(dict(net.named_parameters()), torch.autograd.grad(loss, net.parameters())))
+    for (value, grads), collectives in run(3, _wide_grads, timeout=LIMIT):
+        assert collectives["shm_sum_bucket"] >= 1
+        assert_close64(grads, want, "gradients")
+        assert_close64(float(value), float(loss), "loss")
 
 
 @pytest.mark.parametrize("sync_bn", [True, False], ids=["sync_bn", "per_rank_bn"])

@@ -71,6 +71,37 @@ def _(x, group, op):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.custom_op("pardist::shm_sum_bucket", mutates_args=())
+def shm_sum_bucket(xs: list[torch.Tensor], group: str, divisors: list[float]) -> list[torch.Tensor]:
+    """Each of ``xs`` (one dtype) divided by its divisor and summed over ``group``.
+
+    Elementwise ``shm_all_reduce`` of the quotients' concatenation, but each quotient
+    is written straight into this rank's region and each sum read straight out of
+    the common area: no concatenation, no whole-bucket clone (as the eager reducer,
+    whose hooks divide into the shared buckets).
+    """
+    numel, dtype = sum(x.numel() for x in xs), xs[0].dtype
+    nbytes = numel * dtype.itemsize
+    arena = _arena(group, nbytes) if nbytes > _shmgroups.COLLECTIVE_BYTES else None
+    if arena is None:
+        flat = torch.cat([(x if d == 1 else x / d).reshape(-1) for x, d in zip(xs, divisors)])
+        flat = shm_all_reduce(flat, group, "sum")
+        return [p.view(x.shape).clone() for p, x in zip(flat.split([x.numel() for x in xs]), xs)]
+    offset = 0
+    for x, d in zip(xs, divisors):
+        mine = arena.view(arena.index, offset, x.numel(), dtype).view(x.shape)
+        torch.div(x, d, out=mine) if d != 1 else mine.copy_(x)
+        offset += x.numel() * dtype.itemsize
+    total = arena.reduce_into(0, numel, dtype, 0)
+    pieces = total.split([x.numel() for x in xs])
+    return [p.view(x.shape).clone() for p, x in zip(pieces, xs)]
+
+
+@shm_sum_bucket.register_fake
+def _(xs, group, divisors):
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
 @torch.library.custom_op("pardist::shm_all_gather", mutates_args=())
 def shm_all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in group order, through shared memory."""

@@ -212,17 +212,25 @@ def _comm_dtype(plan: Any, dtype: torch.dtype) -> torch.dtype | None:
     return c if c is not None and dtype.is_floating_point and c != dtype else None
 
 
-def mean(tensors: list[torch.Tensor], plan: Any) -> list[torch.Tensor]:
-    """Each tensor summed over the step's axis, in flat buckets (callers pre-divide).
+def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = None) -> list:
+    """Each tensor divided by its divisor (default 1), summed over the step's axis, in
+    flat buckets.
 
-    The sum is of values already divided by the number of contributions, as the
-    eager reducer writes them, so the result is the mean with the same rounding.
+    Every contribution is divided before the sum, as the eager reducer writes it
+    into its bucket, so the result is the mean with the same rounding.
     """
     info = plan.axes[plan.axis_key]
+    divisors = [1.0] * len(tensors) if divisors is None else divisors
     out: list = [None] * len(tensors)
     for index in _buckets(tensors, plan):
-        flat = torch.cat([tensors[i].reshape(-1) for i in index])
-        comm = _comm_dtype(plan, flat.dtype)
+        comm = _comm_dtype(plan, tensors[index[0]].dtype)
+        bucket, by = [tensors[i] for i in index], [float(divisors[i]) for i in index]
+        if comm is None and info.shm == (True,) and not any(t.requires_grad for t in bucket):
+            # One shared-memory group, nothing to differentiate: divided straight into it.
+            for i, s in zip(index, torch.ops.pardist.shm_sum_bucket(bucket, info.groups[0], by)):
+                out[i] = s
+            continue
+        flat = torch.cat([(t if d == 1 else t / d).reshape(-1) for t, d in zip(bucket, by)])
         reduced = _Psum.apply(flat if comm is None else flat.to(comm), info.groups, info.shm)
         reduced = reduced.to(flat.dtype)
         for i, piece in zip(index, reduced.split([tensors[i].numel() for i in index])):

@@ -57,8 +57,12 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
 
     nums = call.nums if len(call.nums) > 1 else call.nums[0]
     transform = torch.func.grad_and_value(checked, argnums=nums, has_aux=call.has_aux)
-    # Replicated gradients are divided before they are summed, as the eager buckets do.
+    # Replicated gradients are divided before they are summed, as the eager buckets do:
+    # here, or (one micro-batch, all-reduced) by the mean as it writes its buckets.
     scale = (ctx.size if reduce else 1) * k
+    rep = [i for i, r in enumerate(replicated) if r]
+    scatter = reduce and bool(ctx.scatter) and signature([leaves[i] for i in rep]) in ctx.scatter
+    late = reduce and k == 1 and not scatter
     values, auxes = [], []
     local: list[Any] = [None] * len(leaves)  # summed as they come, divided by combine
     summed: list[Any] = [None] * len(leaves)  # replicated: divided first
@@ -71,7 +75,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
         auxes.append(aux)
         for i, gi in enumerate(_tree.tree_flatten(g)[0]):
             if replicated[i] and scale > 1:
-                gi = gi / scale
+                gi = gi if late else gi / scale
                 summed[i] = gi if summed[i] is None else summed[i] + gi
             elif call.split[i] and k > 1:
                 parts[i][j] = gi
@@ -85,9 +89,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     mine = torch.stack(values).mean() if k > 1 else values[0]
     if not reduce:
         return mine, aux, grads
-    rep = [i for i, r in enumerate(replicated) if r]
     need = call.need_value
-    scatter = bool(ctx.scatter) and signature([leaves[i] for i in rep]) in ctx.scatter
     # The loss table rides in the first bucket unless it would be compressed there.
     alone = need and (scatter or plan.compression is not None)
     value = mine
@@ -107,7 +109,8 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
             )
         return value, aux, grads
     carried = [_loss_table(mine, ctx, grads[rep[0]].dtype)] if need and not alone else []
-    means = _traced.mean(carried + [grads[i] for i in rep], plan)
+    divisors = [1.0] * len(carried) + [float(scale) if late else 1.0] * len(rep)
+    means = _traced.mean(carried + [grads[i] for i in rep], plan, divisors)
     for i, m in zip(rep, means[len(carried) :]):
         grads[i] = m
     if carried:
