@@ -4,10 +4,11 @@ In a step made by ``data_parallel(step, compile=True)`` every collective becomes
 a node of the step's graph. Between CPU ranks of one host that node is
 pardist's shared-memory transport, called as an opaque operator (``_ops``);
 elsewhere it is one of torch's functional collectives (gloo or nccl), which
-inductor can also schedule around. Each is wrapped in an autograd Function with
-``setup_context``, as in ``_collectives``: torch's own autograd formulas for
-functional collectives (``torch.library.register_autograd``) raise under
-``torch.func.grad`` on torch 2.13.
+inductor can also schedule around. psum and pmax are the eager collectives' own
+autograd Functions (``transport.Psum``, ``transport.Pmax``: one forward and one
+transpose each), given this module's transport; all_gather has its own Function
+here. torch's own autograd formulas for functional collectives
+(``torch.library.register_autograd``) raise under ``torch.func.grad`` on torch 2.13.
 
 Gradients are averaged in flat buckets the graph can see: one concatenation per
 bucket (reverse parameter order, ~25 MB, the first ~1 MB, one dtype each), one
@@ -27,7 +28,7 @@ import torch
 
 from pardist.compile import _ops  # noqa: F401  (_ops registers torch.ops.pardist)
 from pardist.runtime import _tree, funcol
-from pardist.transport import assign
+from pardist.transport import Pmax, Psum, assign
 
 __all__ = [
     "all_gather",
@@ -55,8 +56,10 @@ def axis_info(plan: Any, axis: Any, where: str) -> Any:
     return info
 
 
-def _all_reduce(x: torch.Tensor, groups: tuple, shm: tuple, op: str) -> torch.Tensor:
-    for name, via_shm in zip(groups, shm):  # innermost axis first, as the eager reducer
+def _all_reduce(x: torch.Tensor, links: tuple, op: str) -> torch.Tensor:
+    """The graph's transport for ``Psum`` and ``Pmax``: ``links`` is ((group name,
+    through shared memory), ...), innermost axis first, as the eager reducer."""
+    for name, via_shm in links:
         if via_shm:
             x = torch.ops.pardist.shm_all_reduce(x, name, op)
         else:
@@ -64,40 +67,9 @@ def _all_reduce(x: torch.Tensor, groups: tuple, shm: tuple, op: str) -> torch.Te
     return x
 
 
-class _Psum(torch.autograd.Function):
-    @staticmethod
-    def forward(x, groups, shm):
-        return _all_reduce(x, groups, shm, "sum")
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.groups, ctx.shm = inputs[1], inputs[2]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _Psum.apply(grad, ctx.groups, ctx.shm), None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, groups, shm):
-        return _Psum.apply(x, groups, shm), in_dims[0]
-
-
-class _Pmax(torch.autograd.Function):
-    @staticmethod
-    def forward(x, groups, shm):
-        return _all_reduce(x, groups, shm, "max")
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.groups, ctx.shm = inputs[1], inputs[2]
-        ctx.save_for_backward(inputs[0], output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, y = ctx.saved_tensors
-        hit = (x == y).to(grad.dtype)
-        ties = _Psum.apply(hit, ctx.groups, ctx.shm)  # ranks sharing the maximum split it
-        return _Psum.apply(grad, ctx.groups, ctx.shm) * hit / ties, None, None
+def _psum(x: torch.Tensor, info: Any) -> torch.Tensor:
+    """The eager ``Psum`` (its transpose: itself), over the graph's transport."""
+    return Psum.apply(x, tuple(zip(info.groups, info.shm)), _all_reduce)
 
 
 def _gather(x: torch.Tensor, group: str, shm: bool, size: int, dim: int) -> torch.Tensor:
@@ -127,7 +99,8 @@ class _AllGather(torch.autograd.Function):
     def backward(ctx, grad):
         # Each rank's slice is used by every rank: its cotangent is the sum over ranks,
         # unless the result is invariant (every rank did the same work with it).
-        total = grad if ctx.invariant else _Psum.apply(grad, (ctx.group,), (ctx.shm,))
+        links = ((ctx.group, ctx.shm),)
+        total = grad if ctx.invariant else Psum.apply(grad, links, _all_reduce)
         return total.narrow(ctx.dim, ctx.index * ctx.length, ctx.length), *([None] * 6)
 
 
@@ -153,23 +126,22 @@ def psum(tree: Any, axis: Any, plan: Any) -> Any:
     info = axis_info(plan, axis, "psum")
     if not info.groups:
         return _tree.tree_map(lambda x: x, tree)
-    return _coalesced(tree, "pardist.psum", lambda x: _Psum.apply(x, info.groups, info.shm))
+    return _coalesced(tree, "pardist.psum", lambda x: _psum(x, info))
 
 
 def pmean(tree: Any, axis: Any, plan: Any) -> Any:
     info = axis_info(plan, axis, "pmean")
     if not info.groups:
         return _tree.tree_map(lambda x: x, tree)
-    return _coalesced(
-        tree, "pardist.pmean", lambda x: _Psum.apply(x, info.groups, info.shm) / info.size
-    )
+    return _coalesced(tree, "pardist.pmean", lambda x: _psum(x, info) / info.size)
 
 
 def pmax(tree: Any, axis: Any, plan: Any) -> Any:
     info = axis_info(plan, axis, "pmax")
     if not info.groups:
         return _tree.tree_map(lambda x: x, tree)
-    return _coalesced(tree, "pardist.pmax", lambda x: _Pmax.apply(x, info.groups, info.shm))
+    links = tuple(zip(info.groups, info.shm))  # every cotangent counts (nothing is tracked)
+    return _coalesced(tree, "pardist.pmax", lambda x: Pmax.apply(x, links, _all_reduce, False))
 
 
 def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = False) -> Any:
@@ -212,6 +184,18 @@ def _comm_dtype(plan: Any, dtype: torch.dtype) -> torch.dtype | None:
     return c if c is not None and dtype.is_floating_point and c != dtype else None
 
 
+def _bucket_sum(bucket: list[torch.Tensor], by: list[float], plan: Any) -> list[torch.Tensor]:
+    """Each tensor of one bucket divided by its divisor and summed over the step's axis."""
+    info = plan.axes[plan.axis_key]
+    comm = _comm_dtype(plan, bucket[0].dtype)
+    if comm is None and info.shm == (True,) and not any(t.requires_grad for t in bucket):
+        # One shared-memory group, nothing to differentiate: divided straight into it.
+        return list(torch.ops.pardist.shm_sum_bucket(bucket, info.groups[0], by))
+    flat = torch.cat([(t if d == 1 else t / d).reshape(-1) for t, d in zip(bucket, by)])
+    reduced = _psum(flat if comm is None else flat.to(comm), info).to(flat.dtype)
+    return [p.view(t.shape) for p, t in zip(reduced.split([t.numel() for t in bucket]), bucket)]
+
+
 def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = None) -> list:
     """Each tensor divided by its divisor (default 1), summed over the step's axis, in
     flat buckets.
@@ -219,22 +203,12 @@ def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = 
     Every contribution is divided before the sum, as the eager reducer writes it
     into its bucket, so the result is the mean with the same rounding.
     """
-    info = plan.axes[plan.axis_key]
     divisors = [1.0] * len(tensors) if divisors is None else divisors
     out: list = [None] * len(tensors)
     for index in _buckets(tensors, plan):
-        comm = _comm_dtype(plan, tensors[index[0]].dtype)
-        bucket, by = [tensors[i] for i in index], [float(divisors[i]) for i in index]
-        if comm is None and info.shm == (True,) and not any(t.requires_grad for t in bucket):
-            # One shared-memory group, nothing to differentiate: divided straight into it.
-            for i, s in zip(index, torch.ops.pardist.shm_sum_bucket(bucket, info.groups[0], by)):
-                out[i] = s
-            continue
-        flat = torch.cat([(t if d == 1 else t / d).reshape(-1) for t, d in zip(bucket, by)])
-        reduced = _Psum.apply(flat if comm is None else flat.to(comm), info.groups, info.shm)
-        reduced = reduced.to(flat.dtype)
-        for i, piece in zip(index, reduced.split([tensors[i].numel() for i in index])):
-            out[i] = piece.view(tensors[i].shape)
+        by = [float(divisors[i]) for i in index]
+        for i, s in zip(index, _bucket_sum([tensors[i] for i in index], by, plan)):
+            out[i] = s
     return out
 
 
