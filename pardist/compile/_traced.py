@@ -10,10 +10,12 @@ transpose each), given this module's transport; all_gather has its own Function
 here. torch's own autograd formulas for functional collectives
 (``torch.library.register_autograd``) raise under ``torch.func.grad`` on torch 2.13.
 
-Gradients are averaged in flat buckets the graph can see: one concatenation per
-bucket (reverse parameter order, ~25 MB, the first ~1 MB, one dtype each), one
+Gradients are averaged in flat buckets the graph can see (reverse parameter order,
+~25 MB, the first ~1 MB, one dtype each): one concatenation per bucket, one
 all-reduce (or reduce-scatter, for a sharded optimizer) and views back, with the
-same layout and arithmetic as the eager reducer.
+same layout and arithmetic as the eager reducer. Between CPU ranks of one host a
+bucket is one operator instead (``pardist::shm_sum_bucket``), which divides each
+gradient straight into shared memory, as the eager reducer's hooks do.
 
 Axes are looked up in the step's :class:`~pardist.compile._plan.Plan`, which holds
 group names and sizes as plain constants (nothing a compiler must guard on
