@@ -255,19 +255,20 @@ def _collectives_step(compile):
         everyone = pardist.all_gather(z, "gpu", dim=1)  # differentiable
         top = pardist.pmax(z.detach().abs().amax(), "gpu")
         peaks = pardist.pmax(z.tanh(), "gpu")  # differentiable: its cotangent to the max
+        shared = pardist.all_gather(z.sin(), "gpu", dim=0, invariant=True)  # my block back
         sums = pardist.psum({"a": z.sum(), "b": z.square().sum()}, "gpu")
         index, size = pardist.axis_index("gpu"), pardist.axis_size("gpu")
         mean = pardist.pmean(z.mean() * (index + 1) / size, "gpu")
         terms = 1e-3 * sums["a"] + 1e-4 * sums["b"] + mean + 1e-2 * peaks.sum()
+        terms = terms + 1e-2 * shared.square().mean()
         return everyone.square().mean() / top + terms
 
     def step(w, x):
         value, g = pardist.value_and_grad(loss_fn)(w, x)
         return w - 0.1 * g, value
 
-    dp = pardist.data_parallel(
-        step, compile={"backend": _Counter("aot_eager")} if compile else False
-    )
+    counter = _Counter("aot_eager")
+    dp = pardist.data_parallel(step, compile={"backend": counter} if compile else False)
     g = torch.Generator().manual_seed(pardist.rank())
     w, x = (
         torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=F64),
@@ -277,14 +278,15 @@ def _collectives_step(compile):
     for _ in range(3):
         w, value = dp(w, x)
         values.append(value)
-    return w, values
+    return w, values, len(counter.graphs)
 
 
 def test_collectives_inside_a_compiled_step(run):
     env = {"PARDIST_SHM": "0"}  # the gloo group of the test above: functional collectives
     eager = run(3, _collectives_step, False, env=env, timeout=LIMIT)
     compiled = run(3, _collectives_step, True, env=env, timeout=LIMIT)
-    for (w_e, v_e), (w_c, v_c) in zip(eager, compiled):
+    for (w_e, v_e, _), (w_c, v_c, graphs) in zip(eager, compiled):
+        assert graphs == 1  # compiled, not fallen back to the eager step
         assert_close64(w_c, w_e, "weights")
         assert_close64(v_c, v_e, "values")
     assert torch.equal(compiled[0][0], compiled[1][0]) and torch.equal(

@@ -6,8 +6,9 @@ pardist's shared-memory transport, called as an opaque operator (``_ops``);
 elsewhere it is one of torch's functional collectives (gloo or nccl), which
 inductor can also schedule around. psum and pmax are the eager collectives' own
 autograd Functions (``transport.Psum``, ``transport.Pmax``: one forward and one
-transpose each), given this module's transport; all_gather has its own Function
-here. torch's own autograd formulas for functional collectives
+transpose each), given this module's transport; all_gather is ``transport.AllGather``
+(or ``AllGatherInvariant``) given a ``_Link``, which does its gathers and their
+transposes as graph nodes. torch's own autograd formulas for functional collectives
 (``torch.library.register_autograd``) raise under ``torch.func.grad`` on torch 2.13.
 
 Gradients are averaged in flat buckets the graph can see (reverse parameter order,
@@ -24,13 +25,14 @@ changes between calls).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
 from pardist.compile import _ops  # noqa: F401  (_ops registers torch.ops.pardist)
 from pardist.runtime import _tree, funcol
-from pardist.transport import Pmax, Psum, assign
+from pardist.transport import AllGather, AllGatherInvariant, Pmax, Psum, assign
 
 __all__ = [
     "all_gather",
@@ -87,23 +89,25 @@ def _gather(x: torch.Tensor, group: str, shm: bool, size: int, dim: int) -> torc
     return y.reshape(*x.shape[:dim], size * x.shape[dim], *x.shape[dim + 1 :])
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(x, group, shm, size, index, dim, invariant):
-        return _gather(x, group, shm, size, dim)
+@dataclasses.dataclass(frozen=True)
+class _Link:
+    """One group spanning an axis, as the graph reaches it: the ``group`` that the eager
+    gather family (``transport.AllGather`` and its transposes) is given in a graph."""
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, ctx.group, ctx.shm, _, ctx.index, ctx.dim, ctx.invariant = inputs
-        ctx.length = x.shape[ctx.dim]
+    name: str
+    shm: bool
+    size: int
+    index: int
 
-    @staticmethod
-    def backward(ctx, grad):
-        # Each rank's slice is used by every rank: its cotangent is the sum over ranks,
-        # unless the result is invariant (every rank did the same work with it).
-        links = ((ctx.group, ctx.shm),)
-        total = grad if ctx.invariant else Psum.apply(grad, links, _all_reduce)
-        return total.narrow(ctx.dim, ctx.index * ctx.length, ctx.length), *([None] * 6)
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _gather(x, self.name, self.shm, self.size, dim)
+
+    def psum_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.scatter(_all_reduce(x, ((self.name, self.shm),), "sum"), dim)
+
+    def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        block = x.shape[dim] // self.size
+        return x.narrow(dim, self.index * block, block)
 
 
 def _coalesced(tree: Any, where: str, fn) -> Any:
@@ -151,6 +155,8 @@ def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = Fals
     leaves = _tree.check_tensor_leaves(tree, where="pardist.all_gather", name="tree")
     if info.size == 1:
         return _tree.tree_map(lambda x: x, tree)
+    link = _Link(info.group, info.gather_shm, info.size, info.index)
+    kind = AllGatherInvariant if invariant else AllGather
     out = []
     for x in leaves:
         if x.ndim == 0:
@@ -158,11 +164,7 @@ def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = Fals
                 "pardist.all_gather: a leaf is a scalar (shape ()); there is no dim "
                 f"{dim} to concatenate along. Use x[None] to gather scalars into a vector."
             )
-        out.append(
-            _AllGather.apply(
-                x, info.group, info.gather_shm, info.size, info.index, dim % x.ndim, invariant
-            )
-        )
+        out.append(kind.apply(x, link, dim % x.ndim))
     return _tree.tree_unflatten(out, _tree.tree_flatten(tree)[1])
 
 

@@ -141,11 +141,21 @@ def _collective(name: str, doc: str, forward, transpose, dims: tuple[int, ...] =
     return fn
 
 
+# The gather family's ``group`` is a ProcessGroup, or a compiled graph's link to one
+# (``compile/_traced.py``), which offers the same three operations as graph nodes.
+def _linked(group) -> bool:
+    return not isinstance(group, dist.ProcessGroup)
+
+
 def _gathered(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    if _linked(group):
+        return group.all_gather(x, dim)
     return torch.cat(gather_parts(x, group), dim=dim)
 
 
 def _psum_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    if _linked(group):
+        return group.psum_scatter(x, dim)
     size = dist.get_world_size(group)
     if _shared(x, group) is not None:  # shared memory: an all-reduce is the fast path
         total = reduce(x, [group], "sum")
@@ -159,6 +169,8 @@ def _psum_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _pscatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    if _linked(group):
+        return group.scatter(x, dim)
     block = x.shape[dim] // dist.get_world_size(group)
     return x.narrow(dim, dist.get_rank(group) * block, block).clone()
 
