@@ -33,6 +33,22 @@ def test_apply_is_pure_and_matches_the_module():
     assert all(torch.equal(same[k], new_buffers[k]) for k in same)
 
 
+def test_apply_under_vmap_over_stacked_buffers_matches_each_model():
+    # Model ensembling (torch.func.stack_module_state's pattern): vmap over stacked
+    # params and buffers. apply copies the buffers it is given; under vmap, whose
+    # transform has no rule for torch's one-call clone, each is cloned on its own.
+    nets = [helpers.convnet().double().eval() for _ in range(3)]
+    parts = [pardist.functional(net) for net in nets]
+    apply = parts[0][0]
+    params = {k: torch.stack([p[k] for _, p, _ in parts]) for k in parts[0][1]}
+    buffers = {k: torch.stack([b[k] for _, _, b in parts]) for k in parts[0][2]}
+    x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+    out, new = torch.func.vmap(lambda p, b: apply(p, b, x, train=False))(params, buffers)
+    for i, net in enumerate(nets):  # vmap batches the convolutions: float64 rounding
+        assert_close64(out[i], net(x), f"model {i}")
+        assert all(torch.equal(new[k][i], v) for k, v in net.named_buffers())
+
+
 def test_later_changes_to_the_module_do_not_leak_in():
     net = helpers.mlp()
     apply, params, buffers = pardist.functional(net)

@@ -242,3 +242,40 @@ def test_the_fast_numpy_path_is_taken_where_it_is_exact():
     from pardist.runtime import _numpy_rng
 
     assert _numpy_rng._works()  # numpy 2.x's MT19937 here; else NumPy's own calls
+
+
+@pytest.mark.parametrize("cached_gauss", [False, True])
+@pytest.mark.parametrize("how", ["fast", "python"])
+def test_python_random_state_comes_back_exactly(monkeypatch, how, cached_gauss):
+    # A step gives Python's global generator back as getstate had it, the cached second
+    # Gaussian (gauss_next) included, whether saved by one memmove or by getstate.
+    import random
+
+    from pardist.runtime import _python_rng
+
+    monkeypatch.setattr(_python_rng, "_checked", random._inst)
+    monkeypatch.setattr(_python_rng, "_fast", how == "fast")
+    random.seed(7)
+    if cached_gauss:
+        random.gauss(0.0, 1.0)  # draws two, keeps one
+    before = random.getstate()
+    assert (before[2] is not None) == cached_gauss
+    saved = _python_rng.save()
+    assert saved[0] == how
+    random.seed(1)
+    random.random(), random.gauss(0.0, 1.0), random.getrandbits(300)  # the step's own draws
+    _python_rng.restore(saved)
+    assert random.getstate() == before
+    want = [random.gauss(0.0, 1.0) for _ in range(3)] + [random.random()]
+    random.setstate(before)
+    assert [random.gauss(0.0, 1.0) for _ in range(3)] + [random.random()] == want
+
+
+def test_the_fast_python_random_path_is_taken_where_it_is_exact():
+    import random
+
+    from pardist.runtime import _python_rng
+
+    assert _python_rng._works()  # CPython's RandomObject; else getstate / setstate
+    _python_rng.save()
+    assert _python_rng._checked is random._inst and _python_rng._fast

@@ -27,6 +27,7 @@ from pardist.runtime import (
     _lockstep,
     _placement,
     _tree,
+    clone_all,
     current_step,
 )
 from pardist.sharding import _apply, _units
@@ -243,7 +244,10 @@ def functional(
             for m in trained:  # the user's modes: a submodule in eval stays in eval
                 m.training = train
             mode["train"] = train
-        new_buffers = {name: b if name in frozen else b.clone() for name, b in buffers.items()}
+        # Fresh copies for the forward to update in place (batch norm's running statistics).
+        names = [name for name in buffers if name not in frozen] if frozen else list(buffers)
+        new_buffers = dict(buffers)
+        new_buffers.update(zip(names, clone_all(list(map(buffers.__getitem__, names)))))
 
         # Batch statistics over the step's axis, for every batch norm (see _batchnorm);
         # a checkpointed block's recomputation enters them again (see _remat).

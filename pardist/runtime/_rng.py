@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from pardist.runtime import _numpy_rng
+from pardist.runtime import _numpy_rng, _python_rng
 
 __all__ = ["group_seed", "rank_index", "rng_count", "set_rng_count", "stream"]
 
@@ -116,7 +116,7 @@ def stream(index: int) -> Iterator[None]:
     cuda = _cuda()
     cpu_state = torch.default_generator.get_state()
     cuda_state = torch.cuda.get_rng_state() if cuda else None
-    np_state, py_state = _numpy_rng.save(), random.getstate()
+    np_state, py_state = _numpy_rng.save(), _python_rng.save()
     _state["seed"] = torch.initial_seed()
     _seed(derive(_state["seed"], index, _state["count"]), cuda)
     _state["depth"] += 1
@@ -129,4 +129,4 @@ def stream(index: int) -> Iterator[None]:
         if cuda_state is not None:
             torch.cuda.set_rng_state(cuda_state)
         _numpy_rng.restore(np_state)
-        random.setstate(py_state)
+        _python_rng.restore(py_state)

@@ -11,6 +11,7 @@ it, since a new tensor may then be made at its address.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from typing import Any
 
@@ -31,12 +32,12 @@ class Consumed:
     def __len__(self) -> int:
         return len(self.refs)
 
-    def mark(self, out: Any, leaves: list, donated: set[int], donated_idx: list[int]) -> None:
-        """After a call: the donated ``leaves`` not among ``out``'s leaves are consumed."""
+    def mark(self, out: Any, leaves: list, ids: list[int], donated: set[int]) -> None:
+        """After a call: the donated ``leaves`` (``ids`` theirs) not among ``out``'s
+        leaves are consumed. The donated ones are picked out in C, by id."""
         gone = donated.difference(map(id, _tree.tree_leaves(out)))
-        for i in donated_idx if gone else ():
-            x = leaves[i]
-            if id(x) in gone and isinstance(x, torch.Tensor):
+        for x in itertools.compress(leaves, map(gone.__contains__, ids)) if gone else ():
+            if isinstance(x, torch.Tensor):
                 forget = functools.partial(_forget, self.refs, id(x))
                 self.refs[id(x)] = weakref.ref(x, forget)
 

@@ -230,7 +230,7 @@ class Step:
         elif typed_problem:
             raise ValueError(typed_problem)
         if donated:
-            self._consumed.mark(out, leaves, donated, donated_idx)
+            self._consumed.mark(out, leaves, ids, donated)
         return out
 
     def _run_eager(self, args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter):
