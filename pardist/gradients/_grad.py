@@ -9,7 +9,7 @@ another torch.func transform) the backward of that identity hands each gradient
 to a bucketed :class:`~pardist.transport._reducer.Reducer` the moment autograd produces it
 (``_bucketed``), which is how torch DDP overlaps communication with the
 backward. Nested in another transform, each gradient is averaged by a
-differentiable collective.
+differentiable collective (``_nested``).
 
 Outside a step both functions give torch.func's numbers; where no other transform is
 running, by autograd's backward, which (unlike torch.func's) runs saved-tensor hooks, so
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -29,13 +27,13 @@ import torch
 import torch.func
 from torch.distributed.tensor import DTensor
 
-from pardist.collectives import _collectives, _vma
+from pardist.collectives import _vma
 from pardist.gradients import (
     _bucketed,
     _depends,
     _deterministic,
     _microbatch,
-    _perrank,
+    _nested,
     _tokens,
     _traced_grad,
 )
@@ -47,48 +45,13 @@ from pardist.runtime import (
     Eager,
     _tree,
     current_step,
-    functorch,
     holds,
-    laid_out_like,
 )
 
 __all__ = ["grad", "value_and_grad"]
 
 _MEANS = ("ranks", "rows", "tokens")
-_requires_grad = operator.attrgetter("requires_grad")
 _is_floating = torch.Tensor.is_floating_point
-
-
-class _MeanGrad(torch.autograd.Function):
-    """Identity forward; the backward is a differentiable mean over the groups.
-
-    ``divisor`` (a row-weighted mean: total rows / this rank's rows) divides each
-    rank's cotangent before the sum instead. It is differentiated as the plain
-    mean, as every weighted reduction here is: the weights enter once, where
-    first-order gradients are reduced, not again in an outer transform.
-    """
-
-    @staticmethod
-    def forward(x, groups, size, divisor):
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.groups, ctx.size, ctx.divisor = inputs[1], inputs[2], inputs[3]
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.divisor == math.inf:  # a rank without rows: no weight (nor its nan gradient)
-            g = torch.zeros_like(g)
-        plain = _collectives.psum_groups(g, ctx.groups) / ctx.size
-        if ctx.divisor is not None:
-            weighted = _collectives.psum_groups(g.detach() / ctx.divisor, ctx.groups)
-            plain = plain + (weighted - plain).detach()
-        return plain, None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, x, groups, size, divisor):
-        return _MeanGrad.apply(x, groups, size, divisor), in_dims[0]
 
 
 def _argnums_tuple(argnums: int | tuple[int, ...], nargs: int, where: str) -> tuple[int, ...]:
@@ -126,28 +89,6 @@ def _rows(flat: list, masks: list, weighted: bool, where: str) -> int:
             "hold the batch with batch_argnums=(...), or use mean='ranks'."
         )
     return -1
-
-
-def _in_transform(leaves: list[torch.Tensor]) -> bool:
-    """Inside another torch.func transform, or under an outer autograd graph."""
-    if functorch.peek_interpreter_stack() is not None:
-        return True
-    return torch.is_grad_enabled() and any(map(_requires_grad, leaves))
-
-
-def _nested(args: tuple, argnums) -> bool:
-    """Outside a step: inside another torch.func transform or an outer autograd graph,
-    where torch.func.grad runs as it is (else autograd's backward does, see compute_local)."""
-    if functorch.peek_interpreter_stack() is not None:
-        return True
-    if not torch.is_grad_enabled():
-        return False
-    nums = (argnums,) if isinstance(argnums, int) else argnums
-    try:
-        chosen = [args[n] for n in nums]
-    except (IndexError, TypeError):
-        return True  # torch.func names the bad argnums
-    return any(t.requires_grad for t in _tree.tree_leaves(chosen) if isinstance(t, torch.Tensor))
 
 
 def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kwargs, where: str):
@@ -235,8 +176,8 @@ Compiled.register("grad")(_traced_grad.compute)  # inside data_parallel(compile=
 def _eager(mode, call: Call, ctx, leaves: list):
     """Autograd's backward, reducing in buckets inside a step; torch.func's grad where
     the call is nested in another transform or an outer autograd graph."""
-    if _in_transform(leaves):
-        return _compute_functorch(call, ctx, leaves)
+    if _nested.in_transform(leaves):
+        return _nested.compute(call, ctx, leaves)
     if ctx is None:  # autograd: checkpoints recompute
         return _bucketed.compute_local(call, leaves)
     return _bucketed.compute(call, ctx, leaves)
@@ -248,75 +189,6 @@ def _regroup(grads: list, flat: list) -> Any:
         out.append(_tree.tree_unflatten(grads[start : start + len(part)], treedef))
         start += len(part)
     return out[0] if len(out) == 1 else tuple(out)
-
-
-def _laid_out_like_args(grads: Any, args: tuple, nums) -> Any:
-    """torch.func's gradients with their arguments' strides (in the outermost call)."""
-    if functorch.peek_interpreter_stack() is not None:
-        return grads  # wrapped tensors of an enclosing transform: its own call lays them out
-    like = args[nums] if isinstance(nums, int) else tuple(args[n] for n in nums)
-    return _tree.tree_map(laid_out_like, grads, like)
-
-
-def _compute_functorch(call: Call, ctx, leaves: list):
-    """torch.func.grad, with a differentiable mean on replicated inputs inside a step.
-
-    Here the value stays differentiable (an outer transform may differentiate
-    through it), so it is averaged by a differentiable collective.
-    """
-    groups = ctx.mesh.groups(ctx.axis) if ctx is not None and ctx.size > 1 else []
-    divisor, total = None, 0
-    if groups and call.mean == "rows":
-        total = _perrank.total_rows(call.rows, ctx)
-        divisor = total / call.rows if call.rows > 0 else math.inf
-    flags = iter(call.replicated)
-    marks = {n: _tree.tree_map(lambda _: next(flags), call.args[n]) for n in call.nums}
-    scale = [1]  # the backward's seed (the gradient is linear in it), set by each forward
-
-    def marked(*args):
-        args = list(args)
-        if groups:
-            for n in call.nums:
-                args[n] = _tree.tree_map(
-                    lambda x, r: (
-                        _vma.lifted_over_data(_MeanGrad.apply(x, groups, ctx.size, divisor), x)
-                        if r
-                        else x
-                    ),
-                    args[n],
-                    marks[n],
-                )
-        out = call.f(*args, **call.kwargs)
-        # pardist's error for a non-scalar; the seed, once the loss's type is known
-        scale[0] = _vma.seed_scale(_bucketed.split_value(out, call.has_aux, call.where)[0])
-        return out
-
-    nums = call.nums if len(call.nums) > 1 else call.nums[0]
-    values, auxes, grads = [], [], []
-    for j, margs, _ in call.micro_batches():
-        g, out = torch.func.grad_and_value(marked, argnums=nums, has_aux=call.has_aux)(*margs)
-        if scale[0] != 1:
-            g = _tree.tree_map(lambda t: t * scale[0], g)
-        value, aux = out if call.has_aux else (out, None)
-        call.took(j, aux)
-        values.append(value)
-        auxes.append(aux)
-        grads.append(_tree.tree_flatten(g)[0])
-    k = call.accumulate
-    local = [sum(column) for column in zip(*grads)] if k > 1 else grads[0]
-    parts = [list(column) for column in zip(*grads)]
-    value = torch.stack(values).mean() if k > 1 else values[0]
-    if groups and call.need_value and call.mean == "rows":
-        # The row-weighted value, differentiated as the mean over ranks: the marks on
-        # the replicated inputs (_MeanGrad) already weigh each rank by its rows, and an
-        # outer transform must not weigh them twice. An empty shard adds nothing.
-        mine = value if call.rows > 0 else value.new_zeros(())
-        plain = _collectives.psum_groups(mine, groups) / ctx.size
-        weighted = _collectives.psum_groups(mine.detach() * max(call.rows, 0), groups) / total
-        value = plain + (weighted - plain).detach()
-    elif groups and call.need_value:
-        value = _collectives.psum_groups(value, groups) / ctx.size
-    return value, call.aux(auxes), _vma.typed_like(call.combine(local, parts, leaves), leaves)
 
 
 def grad(
@@ -400,12 +272,12 @@ def grad(
             current_step() is None
             and accumulate == 1
             and mean != "tokens"
-            and _nested(args, argnums)
+            and _nested.nested(args, argnums)
         ):
             out = torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
             if has_aux:
-                return _laid_out_like_args(out[0], args, argnums), out[1]
-            return _laid_out_like_args(out, args, argnums)
+                return _nested.laid_out_like_args(out[0], args, argnums), out[1]
+            return _nested.laid_out_like_args(out, args, argnums)
         _, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return (grads, aux) if has_aux else grads
 
@@ -449,10 +321,10 @@ def value_and_grad(
             current_step() is None
             and accumulate == 1
             and mean != "tokens"
-            and _nested(args, argnums)
+            and _nested.nested(args, argnums)
         ):
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
-            return out, _laid_out_like_args(grads, args, argnums)
+            return out, _nested.laid_out_like_args(grads, args, argnums)
         value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return ((value, aux) if has_aux else value), grads
 
