@@ -67,32 +67,68 @@ def test_a_reduce_scatter_bucket_is_rows_of_chunks():
     assert buckets[0].row == 2 + 2 and buckets[0].numel == 4 * 4
 
 
-def _reduce(dtypes):
-    """Every rank's own gradients, averaged by a Reducer in small buckets."""
+SHAPES = ((7,), (10, 13), (3,), (2, 4, 2, 4))
+
+
+def _reduce(dtypes, how="one by one", channels_last=False):
+    """Every rank's own gradients, averaged by a Reducer in small buckets: added one by
+    one as the backward produces them, or all at once after it (``add_many``)."""
     rank, world = pardist.rank(), pardist.world_size()
     g = torch.Generator().manual_seed(rank)
-    grads = [torch.randn(n, generator=g, dtype=d) for n, d in zip((7, 130, 3, 64), dtypes)]
+    grads = [torch.randn(n, generator=g, dtype=d) for n, d in zip(SHAPES, dtypes)]
+    like = [torch.empty_like(t) for t in grads]
+    if channels_last:  # a slot laid out as the parameter's strides, not row-major
+        like[3] = like[3].contiguous(memory_format=torch.channels_last)
     groups = pardist.Mesh({"gpu": world}).groups("gpu")
-    reducer = Reducer([torch.empty_like(t) for t in grads], groups, world, bucket_bytes=256)
+    reducer = Reducer(like, groups, world, bucket_bytes=256)
     means = []
     for _ in range(2):  # the buckets are reused by the next step
         reducer.begin()
-        for i in reversed(range(len(grads))):  # as the backward produces them
-            reducer.add(i, grads[i])
+        if how == "all at once":
+            reducer.add_many([(i, grads[i]) for i in range(len(grads))])
+        else:
+            for i in reversed(range(len(grads))):  # as the backward produces them
+                reducer.add(i, grads[i])
         means.append([m.clone() for m in reducer.finish()])
     return grads, means
 
 
+@pytest.mark.parametrize("how", ["one by one", "all at once"])
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
-def test_the_reducer_averages_over_real_ranks(run, transport):
+def test_the_reducer_averages_over_real_ranks(run, transport, how):
     dtypes = (F32, F64, F32, F64)
-    results = run(2, _reduce, dtypes, env={"PARDIST_SHM": "0"} if transport == "gloo" else None)
+    env = {"PARDIST_SHM": "0"} if transport == "gloo" else None
+    results = run(2, _reduce, dtypes, how, how == "all at once", env=env)
     (a, _), (b, _) = results
     # At two ranks each contribution is halved exactly, then one rounding: (a + b) / 2.
     want = [(x + y) / 2 for x, y in zip(a, b)]
     for _, means in results:
         for step in means:
             assert all(torch.equal(m, w) for m, w in zip(step, want))
+
+
+def test_added_all_at_once_a_bucket_is_one_concatenation_of_its_gradients():
+    # One rank (no group): add_many writes each whole bucket of small row-major slots by
+    # one concatenation and one division, the numbers of add's division per gradient; a
+    # bucket holding a channels_last slot, or large ones, is written gradient by gradient.
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) for n in SHAPES]
+    for last in (False, True):
+        like = [torch.empty_like(t) for t in grads]
+        if last:
+            like[3] = like[3].contiguous(memory_format=torch.channels_last)
+        one, many = (Reducer(like, [], 3, bucket_bytes=1 << 20) for _ in range(2))
+        assert [b.concatenated for b in many.buckets] == [not last]
+        one.begin()
+        for i, t in enumerate(grads):
+            one.add(i, t)
+        many.begin()
+        many.add_many(list(enumerate(grads)))
+        for a, b in zip(one.finish(), many.finish()):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+        assert torch.equal(many.finish()[1], grads[1] / 3)
+    large = [torch.empty(100_000), torch.empty(3)]  # 200 KB a slot: not concatenated
+    assert not Reducer(large, [], 2).buckets[0].concatenated
 
 
 def test_the_choice_of_reduction():

@@ -174,6 +174,15 @@ class _HandOver:
             grad = torch.zeros_like(grad)  # no rows, no weight (and not its nan gradient)
         self.reducer.add(self.base + index, grad)
 
+    def many(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        """Every ``(index, grad)`` at once, after the backward (where no hook took them)."""
+        add_many = getattr(self.reducer, "add_many", None)
+        if add_many is None or (self.empty and self.divisor is not None):
+            for index, grad in pairs:
+                self(index, grad)
+        else:
+            add_many([(self.base + index, grad) for index, grad in pairs])
+
 
 def _rows_divisor(ctx: StepContext, rep: list, rows: int, exact: bool) -> float:
     """This rank's divisor for a row-weighted mean: the global rows over its own.
@@ -260,12 +269,13 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             if hand.reducer is None and divisor is None and k == 1:
                 local = list(got)  # one pass, nothing to bucket or weigh: as autograd gave
                 got = ()
+            after = []  # (slot, gradient) for the reducer, where no hook took them
             for i, g in enumerate(got):
                 if g is None:
                     continue
                 if hand.reducer is not None and replicated[i]:
                     if not hooked:
-                        hand(rep_index[i], g)
+                        after.append((rep_index[i], g))
                     continue
                 if divisor is not None and weight:  # a rank's own gradients: unweighted
                     g = g / weight
@@ -273,6 +283,8 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
                     parts[i][j] = g
                 else:
                     local[i] = g if local[i] is None else local[i] + g
+            if after:
+                hand.many(after)
         aux = _detached(aux)
         call.took(j, aux)
         if call.carry is not None and j < k - 1:

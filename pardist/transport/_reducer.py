@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
+import operator
 import os
 
 import torch
@@ -90,6 +92,12 @@ class _Slot:
     stride: tuple[int, ...]  # the parameter's (dense) strides: DDP's gradient layout contract
 
 
+_shape = operator.attrgetter("shape")
+# The largest mean gradient (bytes) of a bucket that add_many writes by one concatenation:
+# about where a second pass over it costs what the calls per gradient it saves cost.
+_CONCAT_BYTES = 32 * 1024
+
+
 class _Bucket:
     def __init__(self, dtype: torch.dtype, device: torch.device, comm_dtype: torch.dtype | None):
         self.dtype, self.device, self.comm_dtype = dtype, device, comm_dtype
@@ -104,6 +112,8 @@ class _Bucket:
         self.common_offset: int | None = None  # byte offset of its result in the common area
         self.pending = 0
         self.work = None
+        self.shapes: list[torch.Size] = []  # its slots' shapes, in the order they lie in it
+        self.concatenated = False  # add_many may write it whole (see Reducer._build)
 
 
 def assign(
@@ -190,6 +200,17 @@ class Reducer:
             _Slot(b, offset, t.numel(), t.shape, dense_strides(t))
             for (b, offset), t in zip(places, like)
         ]
+        for bucket in self.buckets:  # its slots in the order they lie in it
+            bucket.shapes = [self.slots[i].shape for i in bucket.slots]
+            # add_many writes a bucket whole by one concatenation where every slot is laid
+            # out row-major (the bucket is then its gradients flattened and concatenated)
+            # and the slots are small: it costs a second pass over the bucket, which pays
+            # only where the four calls per gradient it saves cost more.
+            small = bucket.numel * bucket.dtype.itemsize <= _CONCAT_BYTES * len(bucket.slots)
+            bucket.concatenated = small and all(
+                self.slots[i].stride == torch.empty(self.slots[i].shape, device="meta").stride()
+                for i in bucket.slots
+            )
 
     def _share_cpu_buckets(self, group) -> None:
         """Put CPU buckets in shared memory if the group shares a host (else None)."""
@@ -282,7 +303,7 @@ class Reducer:
         flat = self.buckets[slot.bucket].buffer
         # (not cached: a view kept here would count as a caller's reference to the
         # bucket, and the next step would have to reduce in fresh memory)
-        return flat.narrow(0, slot.offset, slot.numel).as_strided(slot.shape, slot.stride)
+        return flat.as_strided(slot.shape, slot.stride, flat.storage_offset() + slot.offset)
 
     def add(self, i: int, grad: torch.Tensor, divisor: float | None = None) -> None:
         """Contribute the local gradient of tensor ``i`` (called from the backward).
@@ -305,6 +326,37 @@ class Reducer:
             # is a synchronous copy, which would only stall the backward here.
             if self.overlap and bucket.pending == 0 and not bucket.shared:
                 self._launch_ready()
+
+    def add_many(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
+        """``add(i, grad)`` for every pair, after the backward (no hooks).
+
+        A bucket the pairs fill whole, in the last backward with nothing in it yet, whose
+        gradients have its dtype and slots' shapes and whose slots are row-major and small,
+        is written by one concatenation and one division in place: the numbers of ``add``'s division
+        per gradient (the same IEEE division of the same values), in two calls into C
+        instead of four per gradient.
+        """
+        given = dict(pairs)
+        for bucket in self.buckets if self._last else ():
+            grads = list(map(given.get, bucket.slots))
+            if not (
+                bucket.concatenated
+                and all(map(operator.is_not, grads, itertools.repeat(None)))  # (not `in`: ==)
+                and not any(map(self._written.__getitem__, bucket.slots))
+                and all(g.dtype == bucket.dtype for g in grads)
+                and list(map(_shape, grads)) == bucket.shapes
+            ):
+                continue
+            torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
+            bucket.buffer.div_(self._scale)
+            for i in bucket.slots:
+                self._written[i] = True
+                del given[i]
+            bucket.pending = 0
+            if self.overlap and not bucket.shared:
+                self._launch_ready()
+        for i, grad in given.items():
+            self.add(i, grad)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
