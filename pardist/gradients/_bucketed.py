@@ -176,12 +176,11 @@ class _HandOver:
 
     def many(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
         """Every ``(index, grad)`` at once, after the backward (where no hook took them)."""
-        add_many = getattr(self.reducer, "add_many", None)
-        if add_many is None or (self.empty and self.divisor is not None):
+        if self.empty and self.divisor is not None:  # zeros in their place, one by one
             for index, grad in pairs:
                 self(index, grad)
         else:
-            add_many([(self.base + index, grad) for index, grad in pairs])
+            self.reducer.add_many([(self.base + index, grad) for index, grad in pairs])
 
 
 def _rows_divisor(ctx: StepContext, rep: list, rows: int, exact: bool) -> float:
