@@ -26,7 +26,8 @@ from pardist.transport._scatter import (
     signature,
     unpack_column,
 )
-from pardist.transport._shm import ALIGN, SharedMemoryGroup, mark_step
+from pardist.transport._shm import ALIGN, SharedMemoryGroup
+from pardist.transport._stepmark import mark_step
 
 __all__ = [
     "ALIGN",

@@ -9,8 +9,9 @@ that processes, not only threads, wake each other. x86-64 Linux system call numb
 from __future__ import annotations
 
 import ctypes
+import os
 
-__all__ = ["futex_wait", "futex_wake"]
+__all__ = ["crowded", "futex_wait", "futex_wake"]
 
 _SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 Linux; shared (not private) futexes
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -39,3 +40,21 @@ def futex_wake(address: int) -> None:
     _libc.syscall(
         _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(2**31 - 1), None, None, 0
     )
+
+
+_LOAD = {"checked": -1.0, "crowded": False}
+
+
+def crowded(now: float) -> bool:
+    """Whether more processes want a core than there are cores (read once a second).
+
+    A waiting rank then sleeps at once instead of spinning: on a machine it shares (two
+    jobs, more ranks than cores) the spin takes the core that the rank it waits for needs.
+    """
+    if now - _LOAD["checked"] > 1.0:
+        _LOAD["checked"] = now
+        try:
+            _LOAD["crowded"] = os.getloadavg()[0] > (os.cpu_count() or 1)
+        except OSError:
+            _LOAD["crowded"] = False
+    return _LOAD["crowded"]

@@ -17,12 +17,18 @@ Three things go wrong with such files, and each is handled here:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
 import uuid
 
-__all__ = ["PREFIX", "clean_stale", "create", "room", "say_fallback"]
+import torch
+import torch.distributed as dist
+
+from pardist.runtime import _faults
+
+__all__ = ["PREFIX", "clean_stale", "create", "map_shared", "room", "say_fallback"]
 
 DIR = "/dev/shm"
 PREFIX = "pardist-"
@@ -123,3 +129,42 @@ def say_fallback(why: str, nbytes: int) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def map_shared(group: dist.ProcessGroup, nbytes: int, what: str) -> torch.Tensor | None:
+    """One new file of ``nbytes``, mapped by every rank of ``group`` (on one host), or None.
+
+    The group's first rank makes it (after removing stale ones) and names it to the
+    others; its name goes as soon as every rank has mapped it, or failed, or died. None
+    on every rank when any rank could not map it (the caller then uses gloo); ``what``
+    names the set-up in a collective's error.
+    """
+    index, ranks = dist.get_rank(group), dist.get_process_group_ranks(group)
+    path, why = None, ""
+    if index == 0:
+        clean_stale()  # left by a job killed while setting one up
+        if room(nbytes):
+            path, why = create(nbytes)
+        else:
+            why = f"{DIR} is short of room (pardist takes at most half of what is free)"
+    try:
+        shared = [path, why]
+        with _faults.collective_errors(what, group):
+            dist.broadcast_object_list(shared, src=ranks[0], group=group)
+        path, why = shared
+        if path is None:
+            if index == 0:
+                say_fallback(why, nbytes)
+            return None
+        try:
+            region = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except RuntimeError:
+            region = None
+        opened: list = [None] * len(ranks)
+        with _faults.collective_errors(what, group):
+            dist.all_gather_object(opened, region is not None, group=group)
+    finally:
+        if index == 0 and path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # the mappings stay, the name goes
+    return region if all(opened) else None

@@ -21,87 +21,25 @@ bucket-sized region (the fallback when /dev/shm is small).
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
 import platform
 import re
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, _process
-from pardist.transport import _segments
-from pardist.transport._futex import futex_wait, futex_wake
+from pardist.runtime import _faults
+from pardist.transport import _segments, _stepmark
+from pardist.transport._futex import crowded, futex_wait, futex_wake
 
-__all__ = ["SharedMemoryGroup", "mark_step"]
+__all__ = ["SharedMemoryGroup"]
 
 _FLAG_BYTES = 64  # per rank, one cache line: counter, 2 exchange, 2 signature, 1 step slot
 _NOTE_BYTES = 256  # per rank: what it was doing, written only when the ranks disagree
 _SEQ, _EXCHANGE, _SIGNATURE, _STEP = 0, 1, 3, 5  # int64 slots in a rank's line
 ALIGN = 64
 _SPIN_S = 20e-6
-# The call of a step this process is in (mark_step): 0 outside steps, else the step's key
-# (bits 41-62), its count of calls entered (bits 1-40) and 1 while inside the call (bit 0);
-# _LOST: ranks out of step. Each rank shows its mark in its line of every segment.
-_MARK = {"now": 0}
-_COUNT = (1 << 40) - 1
-_LOST = -1
-_segments_made: list = []  # every segment of this process (weak references)
-_lost: dict[str, str] = {}  # "why": the ranks are out of step, for good (this process group)
-_process.on_shutdown(_lost.clear)
-
-
-def mark_step(mark: int, shown: int | None = None) -> int:
-    """Be in the step call ``mark`` (0: none); the previous mark, to restore on leaving.
-
-    The collectives started inside carry it in their signatures, so calls one step apart
-    never pair. Every segment shows ``shown`` (default: the mark) to the other ranks,
-    whose waits read it: a rank waiting in a call that another has left, or gone past,
-    waits for nothing (on leaving, a call shows its mark without bit 0).
-    """
-    if _lost:
-        raise _faults.StepMismatch(_lost["why"])
-    before, _MARK["now"] = _MARK["now"], mark
-    _show_mark(mark if shown is None else shown)
-    return before
-
-
-def _show_mark(value: int) -> None:
-    for ref in _segments_made:
-        segment = ref()
-        if segment is not None:
-            segment._flags[segment.index * (_FLAG_BYTES // 8) + _STEP] = value
-
-
-def _out_of_step(message: str) -> None:
-    """Remember, show the other ranks (their waits end too) and raise: for good."""
-    _lost["why"] = (
-        message + " The ranks' collectives no longer pair up: every later call fails. "
-        "Restart the run (from its last checkpoint)."
-    )
-    _show_mark(_LOST)
-    raise _faults.StepMismatch(message)
-
-
-_LOAD = {"checked": -1.0, "crowded": False}
-
-
-def _crowded(now: float) -> bool:
-    """Whether more processes want a core than there are cores (read once a second).
-
-    A waiting rank then sleeps at once instead of spinning: on a machine it shares (two
-    jobs, more ranks than cores) the spin takes the core that the rank it waits for needs.
-    """
-    if now - _LOAD["checked"] > 1.0:
-        _LOAD["checked"] = now
-        try:
-            _LOAD["crowded"] = os.getloadavg()[0] > (os.cpu_count() or 1)
-        except OSError:
-            _LOAD["crowded"] = False
-    return _LOAD["crowded"]
 
 
 def _host_identity() -> tuple[str, int]:
@@ -110,32 +48,6 @@ def _host_identity() -> tuple[str, int]:
     except OSError:
         netns = 0
     return platform.node(), netns
-
-
-_signatures: dict = {}
-
-
-def _signature(what: tuple | None) -> int:
-    """A nonzero int64 naming ``what`` alike in every process (0: a plain barrier)."""
-    if what is None:
-        return 0
-    sig = _signatures.get(what)
-    if sig is None:
-        if len(_signatures) > 4096:
-            _signatures.clear()
-        digest = hashlib.blake2b(repr(what).encode(), digest_size=8).digest()
-        sig = _signatures[what] = int.from_bytes(digest, "little") >> 1 | 1
-    return sig
-
-
-def _show(what: tuple | None) -> str:
-    """``what`` for people: 'pardist.psum of float32 (3,)'."""
-    if what is None:
-        return "a barrier between the steps of a shared-memory collective"
-    name, *rest = what
-    if len(rest) >= 2 and isinstance(rest[0], torch.dtype):
-        return f"{name} of {str(rest[0]).removeprefix('torch.')} {tuple(rest[1])}"
-    return name
 
 
 _SETUP = "pardist: setting up a shared-memory segment"
@@ -173,9 +85,11 @@ class SharedMemoryGroup:
         self._seq = 0
         self._doing: tuple | None = ("a shared-memory collective",)
         self.timeout = _faults.timeout_seconds()
-        self._flags[index * (_FLAG_BYTES // 8) + _STEP] = _MARK["now"]
-        _segments_made[:] = [ref for ref in _segments_made if ref() is not None]
-        _segments_made.append(weakref.ref(self))
+        self.show_mark(_stepmark.shown_by(self))
+
+    def show_mark(self, value: int) -> None:
+        """Show the other ranks my step mark (``_stepmark``), which their waits read."""
+        self._flags[self.index * (_FLAG_BYTES // 8) + _STEP] = value
 
     @staticmethod
     def nbytes(size: int, region_bytes: int, common_bytes: int) -> int:
@@ -210,37 +124,10 @@ class SharedMemoryGroup:
             )
         if not all(ok for ok, _, _ in ids) or len({host for _, host, _ in ids}) != 1:
             return None
-        index = dist.get_rank(group)
-        path, why = None, ""
-        if index == 0:
-            _segments.clean_stale()  # left by a job killed while setting one up
-            if _segments.room(total):
-                path, why = _segments.create(total)
-            else:
-                why = "/dev/shm is short of room (pardist takes at most half of what is free)"
-        try:
-            shared = [path, why]
-            with _faults.collective_errors(_SETUP, group):
-                dist.broadcast_object_list(shared, src=ranks[0], group=group)
-            path, why = shared
-            if path is None:
-                if index == 0:
-                    _segments.say_fallback(why, total)
-                return None
-            try:
-                region = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-            except RuntimeError:
-                region = None
-            opened: list = [None] * size
-            with _faults.collective_errors(_SETUP, group):
-                dist.all_gather_object(opened, region is not None, group=group)
-        finally:
-            if index == 0 and path is not None:
-                # Every rank has mapped it (or failed, or died): the mappings stay, the name goes.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        if not all(opened):
+        region = _segments.map_shared(group, total, _SETUP)
+        if region is None:
             return None
+        index = dist.get_rank(group)
         return cls(region, index, ranks, region_bytes, common_bytes, group.group_name)
 
     def view(self, rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -261,9 +148,7 @@ class SharedMemoryGroup:
         :class:`~pardist.runtime._faults.CollectiveMismatch`, naming what each was doing.
         """
         stride, parity = _FLAG_BYTES // 8, self._seq % 2
-        sig, flags = _signature(what), self._flags
-        if sig and _MARK["now"]:  # the call of the step: calls one step apart never pair
-            sig = (sig ^ (_MARK["now"] * 0x9E3779B97F4A7C15)) & (2**63 - 1) | 1
+        sig, flags = _stepmark.signature(what), self._flags
         # Posted before the counter (x86 keeps store order), read before the next
         # barrier: a rank that hurries on writes the other slot, as exchange() does.
         flags[self.index * stride + _SIGNATURE + parity] = sig
@@ -283,7 +168,7 @@ class SharedMemoryGroup:
             futex_wake(self._wake_address)
             return
         start = time.monotonic()
-        while time.monotonic() - start < _SPIN_S and not _crowded(start):
+        while time.monotonic() - start < _SPIN_S and not crowded(start):
             if arrived():
                 return
         while True:
@@ -294,7 +179,7 @@ class SharedMemoryGroup:
             if waited > self.timeout:
                 late = [self.ranks[k] for k in range(self.size) if flags[k * stride] < seq]
                 where = _faults.describe_group(self.group_name, self.ranks)
-                doing = f"{_show(self._doing)} over {where}"
+                doing = f"{_stepmark.describe(self._doing)} over {where}"
                 raise _faults.CollectiveTimeout(
                     f"pardist: {doing} (shared memory) waited {self.timeout:.0f} s on rank "
                     f"{self.ranks[self.index]}. {_faults.hint(late)}",
@@ -307,42 +192,31 @@ class SharedMemoryGroup:
     def _check_step(self, seq: int) -> None:
         """While waiting: has a rank left this call of the step behind, or found the ranks
         out of step? Then the ones it waits for will not come: say so now, not at timeout."""
-        mine, flags, stride = _MARK["now"], self._flags, _FLAG_BYTES // 8
-        call = mine >> 1 & _COUNT
+        mine, flags, stride = _stepmark.now(), self._flags, _FLAG_BYTES // 8
         for k in range(self.size):
-            theirs = int(flags[k * stride + _STEP])
             if k == self.index or flags[k * stride] >= seq:
                 continue  # (arrived)
-            same, at = mine and theirs >> 41 == mine >> 41, theirs >> 1 & _COUNT
-            if theirs == _LOST:  # (whatever this rank waits in: it will not come)
-                did = "found the ranks out of step"
-            elif same and at > call:
-                did = f"began call {at} of the step"
-            elif same and at == call and not theirs & 1:
-                did = f"left call {at} of the step without it"
-            else:
+            did = _stepmark.departure(mine, int(flags[k * stride + _STEP]))
+            if did is None:
                 continue
-            me, doing = self.ranks[self.index], _show(self._doing)
-            _out_of_step(
+            me, doing = self.ranks[self.index], _stepmark.describe(self._doing)
+            _stepmark.out_of_step(
                 f"pardist: rank {self.ranks[k]} {did} while rank {me} waits in {doing}"
-                + (f" of call {call}" if mine else "")
+                + (f" of call {_stepmark.call_of(mine)}" if mine else "")
                 + ": a rank raised inside a call and went on. To skip a bad batch, decide on "
                 "every rank together, before the step (docs/faults.md).",
             )
 
     def _disagree(self, what: tuple | None) -> None:
         """Every rank saw the same differing signatures: post what I was doing, read theirs."""
-        mark = _MARK["now"]
-        call = f" in call {mark >> 1 & _COUNT} of a step" if mark > 0 else ""
-        text = (_show(what) + call).encode()[: _NOTE_BYTES - 1]
+        mark = _stepmark.now()
+        call = f" in call {_stepmark.call_of(mark)} of a step" if mark > 0 else ""
+        text = (_stepmark.describe(what) + call).encode()[: _NOTE_BYTES - 1]
         note = self._notes[self.index]
         note.zero_()
         note[: len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
-        _MARK["now"] = 0  # (the ranks' marks may differ: this barrier must pair anyway)
-        try:
+        with _stepmark.unmarked():  # (the ranks' marks may differ: this must pair anyway)
             self.barrier(("pardist: comparing what each rank was doing",))
-        finally:
-            _MARK["now"] = mark
         doing = [
             bytes(self._notes[k].numpy()).rstrip(b"\0").decode(errors="replace")
             for k in range(self.size)
