@@ -29,22 +29,30 @@ Typical use, the same under ``python`` and ``torchrun``::
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import MARKER, CheckpointError, _progress, _tree, cause, checksums, verify
+from pardist.runtime import (
+    MARKER,
+    CheckpointError,
+    _progress,
+    _tree,
+    cause,
+    claim_folder,
+    commit,
+    committed_steps,
+    verify,
+)
 from pardist.step import _replication
 
 __all__ = ["MARKER", "CheckpointError", "latest", "load", "resume", "save", "steps"]
 
-_FORMAT = 1
+steps = committed_steps  # the steps of the committed checkpoints in a directory
 
 
 @functools.cache
@@ -116,78 +124,6 @@ def _on_rank0(what: str, fn, *args) -> Any:
     return value
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _commit(tmp: Path, final: Path, step: int | None, keys: int, keep: int | None) -> str:
-    with open(tmp / MARKER, "w") as f:
-        json.dump(
-            {
-                "format": _FORMAT,
-                "step": step,
-                "leaves": keys,
-                "time": time.time(),
-                "world_size": dist.get_world_size() if _distributed() else 1,
-                "checksums": checksums(tmp),
-            },
-            f,
-        )
-        f.flush()
-        os.fsync(f.fileno())
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # saving a step again: the new one replaces it
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    if step is not None and keep is not None:
-        for stale in steps(final.parent)[:-keep]:
-            shutil.rmtree(final.parent / str(stale), ignore_errors=True)
-    return str(final)
-
-
-_claimed: dict[str, int] = {}  # directory -> the descriptor holding its lock
-
-
-def _claim(folder: Path) -> None:
-    """Hold ``folder``'s lock while this process lives (rank 0); warn if another does.
-
-    Two runs saving into one directory would mix their steps (``latest`` then picks
-    either). A lock the kernel drops when its process dies (``flock``), so a run that
-    restarts after a crash finds the directory free.
-    """
-    import fcntl
-
-    key = str(folder.resolve())
-    if key in _claimed:
-        return
-    fd = os.open(folder / "pardist.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        _claimed[key] = -1
-        import warnings
-
-        warnings.warn(
-            f"pardist.checkpoint.save: another running process (pid {other}) saves "
-            f"checkpoints into {folder} too; their steps would mix, and latest() would pick "
-            "either run's. Give each run a directory of its own.",
-            stacklevel=4,
-        )
-        return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _claimed[key] = fd
-
-
 def save(
     path: str | os.PathLike, tree: Any, *, step: int | None = None, keep: int | None = None
 ) -> str:
@@ -245,7 +181,7 @@ def save(
     def clear_stale() -> None:  # a save killed part-way left this behind
         shutil.rmtree(tmp, ignore_errors=True)
         final.parent.mkdir(parents=True, exist_ok=True)
-        _claim(final.parent)
+        claim_folder(final.parent)
 
     _on_rank0(f"prepare {tmp}", clear_stale)
     try:
@@ -271,16 +207,7 @@ def save(
         raise CheckpointError(
             f"pardist.checkpoint.save: writing {tmp} failed ({first}); {kept}."
         ) from exc
-    return _on_rank0(f"commit {final}", _commit, tmp, final, step, len(named), keep)
-
-
-def steps(path: str | os.PathLike) -> list[int]:
-    """The steps of the committed checkpoints in ``path``, oldest first (``[]`` if none)."""
-    root = Path(path)
-    if not root.is_dir():
-        return []
-    found = [int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / MARKER).is_file()]
-    return sorted(found)
+    return _on_rank0(f"commit {final}", commit, tmp, final, step, len(named), keep)
 
 
 def latest(path: str | os.PathLike, *, verify_files: bool = False) -> str | None:
@@ -297,7 +224,7 @@ def latest(path: str | os.PathLike, *, verify_files: bool = False) -> str | None
         >>> pardist.checkpoint.latest(tempfile.mkdtemp()) is None
         True
     """
-    for step in reversed(steps(path)):
+    for step in reversed(committed_steps(path)):
         found = Path(path) / str(step)
         try:
             verify(found, files=verify_files)
@@ -420,7 +347,7 @@ def resume(path: str | os.PathLike, like: Any, *, total: int | None = None, key:
         pardist.checkpoint: nothing left to do: epoch 3 of 3 already done (...)
     """
     state = last = None
-    for step in reversed(steps(path)):  # the newest that reads back whole
+    for step in reversed(committed_steps(path)):  # the newest that reads back whole
         try:
             last = str(Path(path) / str(step))
             state = load(last, like)

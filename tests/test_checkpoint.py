@@ -161,7 +161,7 @@ def _save_then_die_in_commit(path: str, conn) -> None:
         conn.send("committing")
         signal.pause()
 
-    checkpoint._commit = stuck  # the data of step 2 is written; the commit never happens
+    checkpoint.commit = stuck  # the data of step 2 is written; the commit never happens
     checkpoint.save(path, {"w": torch.full((3,), 2.0), "step": 2}, step=2)
 
 

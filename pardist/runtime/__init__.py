@@ -8,6 +8,7 @@ by ``pardist``; the names below are what the packages above may use (the modules
 """
 
 # First: an unsupported torch is refused in one line, before pardist touches its internals.
+from pardist.runtime._commit import claim_folder, commit, committed_steps
 from pardist.runtime._compat import (
     DisableTorchFunctionSubclass,
     TorchCompileInductorWrapper,
@@ -85,6 +86,9 @@ __all__ = [
     "Mode",
     "current_mode",
     "MARKER",
+    "claim_folder",
+    "commit",
+    "committed_steps",
     "CallState",
     "CheckpointError",
     "DisableTorchFunctionSubclass",

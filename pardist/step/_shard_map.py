@@ -43,7 +43,7 @@ from pardist.runtime import (
     debug_enabled,
     entered,
 )
-from pardist.step import _devices, _handshake, _replication, _specs
+from pardist.step import _checks, _devices, _handshake, _specs
 from pardist.step._donation import Consumed
 from pardist.step._specs import P
 from pardist.step._tracker import Tracker
@@ -213,7 +213,7 @@ class Step:
         check = self.calls == 0 or debug_enabled()
         if check:
             _devices.check(args, self.where)  # a batch on another device than the params
-            self._check_inputs(args, specs, mesh, axes)
+            _checks.check_inputs(self, args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
         donated = set(map(ids.__getitem__, donated_idx))  # (ids of non-tensors: unused)
         out, typed_problem = _step.EAGER, None
@@ -226,7 +226,7 @@ class Step:
                 )
         self.calls += 1
         if check:
-            self._check_outputs(out, mesh, axes, typed_problem)
+            _checks.check_outputs(self, out, mesh, axes, typed_problem)
         elif typed_problem:
             raise ValueError(typed_problem)
         if donated:
@@ -265,52 +265,10 @@ class Step:
                     for t, mean in zip(ctx.call.pending_means, means):
                         t.copy_(mean)
             if state is not None:
-                typed_problem = self._typed_outputs(out, state, axes)
+                typed_problem = _checks.typed_outputs(self, out, state, axes)
         return out, typed_problem
 
-    def _tracker(self, state: _vma.Tracking | None, leaves: list, specs: list):
-        """What tracks varying axes through the step (nothing where none can differ)."""
-        if state is None:
-            return contextlib.nullcontext()
-        for leaf, spec in zip(leaves, specs):
-            if isinstance(leaf, torch.Tensor):
-                own = _specs.specs(leaf).axes if isinstance(leaf, DTensor) else spec.axes
-                state.set(leaf, frozenset(own))
-        return Tracker(state, self.where)
-
-    def _check_inputs(self, args: tuple, specs: list[P], mesh: _mesh.Mesh, axes) -> None:
-        """Every rank passes the same specs and block shapes; replicated inputs agree."""
-        named = _tree.leaves_with_paths(args, "args")
-        problem = _replication.layout_mismatch(named, specs, mesh, axes)
-        if problem:
-            raise ValueError(
-                f"{self.where}: the ranks disagree on the layout of their inputs: {problem}. "
-                "Every rank must call the step with the same in_specs, and a tensor split "
-                "over a non-data axis must have the same block shape on every rank (exact "
-                "blocks: a dim split over an axis of size n is 1/n of the global dim; "
-                "pardist.local_block cuts them)."
-            )
-        for over, group in _replication.replicated_groups(named, specs, mesh):
-            problem = _replication.mismatch(group, mesh.group(over))
-            if problem:
-                raise ValueError(self.replicated_input_error(problem, over, axes, len(args)))
-
-    def _check_outputs(self, out: Any, mesh: _mesh.Mesh, axes, typed_problem) -> None:
-        """out_specs fit the outputs; outputs are not typed, nor found, varying where replicated."""
-        named = _tree.leaves_with_paths(out, "output")
-        flat = self._out_specs(out)
-        for (path, leaf), spec in zip(named, flat):
-            _specs.check_fits(
-                spec, leaf, path, mesh, where=self.where, spec_path=f"the out_spec of {path}"
-            )
-        if typed_problem:
-            raise ValueError(typed_problem)
-        for over, group in _replication.replicated_groups(named, flat, mesh):
-            problem = _replication.mismatch(group, mesh.group(over))
-            if problem:
-                raise ValueError(self.replicated_output_error(problem, over, axes))
-
-    def _out_specs(self, out: Any) -> list[P]:
+    def flat_out_specs(self, out: Any) -> list[P]:
         """One spec per output leaf (cached by the output's structure)."""
         leaves, treedef = _tree.tree_flatten(out)
         key = ("out", treedef)
@@ -328,25 +286,15 @@ class Step:
             )
         return self._specs_cache[key]
 
-    def _typed_outputs(self, out: Any, state: _vma.Tracking, axes) -> str | None:
-        """JAX's static check: an output varying over a (non-data) axis its out_spec replicates.
-
-        Over data axes the first call's comparison of values decides, as for data_parallel.
-        """
-        leaves = _tree.tree_leaves(out)
-        for i, (leaf, spec) in enumerate(zip(leaves, self._out_specs(out))):
-            if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
-                extra = state.get(leaf) - set(spec.axes) - state.data
-                if extra:
-                    path = _tree.leaves_with_paths(out, "output")[i][0]
-                    over = state.ordered(extra)
-                    return self.replicated_output_error(
-                        f"{path} varies over {over} (it is computed from values split over "
-                        f"{'it' if len(over) == 1 else 'them'})",
-                        over,
-                        axes,
-                    )
-        return None
+    def _tracker(self, state: _vma.Tracking | None, leaves: list, specs: list):
+        """What tracks varying axes through the step (nothing where none can differ)."""
+        if state is None:
+            return contextlib.nullcontext()
+        for leaf, spec in zip(leaves, specs):
+            if isinstance(leaf, torch.Tensor):
+                own = _specs.specs(leaf).axes if isinstance(leaf, DTensor) else spec.axes
+                state.set(leaf, frozenset(own))
+        return Tracker(state, self.where)
 
 
 def _count(specs: Any) -> str:

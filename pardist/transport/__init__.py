@@ -5,6 +5,7 @@ and the bucketed gradient reducers (all-reduce and reduce-scatter, DDP's buckets
 May import ``pardist.runtime`` only. The names below are its interface.
 """
 
+from pardist.transport._buckets import assign
 from pardist.transport._primitives import (
     AllGather,
     AllGatherInvariant,
@@ -15,7 +16,7 @@ from pardist.transport._primitives import (
     PsumScatter,
     Pvary,
 )
-from pardist.transport._reducer import Reducer, assign
+from pardist.transport._reducer import Reducer
 from pardist.transport._scatter import (
     ParamGather,
     ScatterReducer,

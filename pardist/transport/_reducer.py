@@ -24,8 +24,6 @@ are staged through a smaller shared region; elsewhere gloo or nccl reduce.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import itertools
 import operator
 import os
@@ -34,122 +32,19 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import GroupRef, _faults, dense_strides, storage_holders
+from pardist.transport._buckets import Bucket, Slot, assign, check_layout
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
-__all__ = ["Reducer", "check_layout"]
+__all__ = ["Reducer"]
 
 # How many tensors hold a storage: 1 for a lone tensor, on every torch version.
 _references = storage_holders
-
-
-def _differ(ranks: list[int], layouts: list[list]) -> str:
-    """The first way the ranks' lists of (shape, dtype) differ from the first rank's."""
-    first = layouts[0]
-    for r, theirs in zip(ranks[1:], layouts[1:]):
-        if len(theirs) != len(first):
-            return (
-                f"rank {r} has {len(theirs)} tensors to reduce where rank {ranks[0]} "
-                f"has {len(first)}"
-            )
-        for a, b in zip(first, theirs):
-            if a != b:
-                return f"a {a[1]} {a[0]} gradient on rank {ranks[0]} is {b[1]} {b[0]} on rank {r}"
-    return "they differ"
-
-
-def check_layout(like: list[torch.Tensor], groups: list, where: str) -> None:
-    """Raise on every rank if the ranks of ``groups`` would reduce different tensors.
-
-    Run once, when buckets are laid out: buckets of different layouts would add
-    unrelated gradients (or read past a shorter rank's memory) without a word.
-    One small gather of a digest per group; the full lists only when they differ.
-    """
-    mine = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in like]
-    digest = hashlib.blake2b(repr(mine).encode(), digest_size=16).hexdigest()
-    for group in groups:
-        ranks = dist.get_process_group_ranks(group)
-        digests: list = [None] * len(ranks)
-        with _faults.collective_errors(f"{where} (comparing gradient layouts)", group):
-            dist.all_gather_object(digests, digest, group=group)
-            if len(set(digests)) == 1:
-                continue
-            layouts: list = [None] * len(ranks)
-            dist.all_gather_object(layouts, mine, group=group)
-        raise _faults.CollectiveMismatch(
-            f"{where}: the ranks of {_faults.describe_group(group.group_name, ranks)} "
-            f"differentiate different parameters, so their gradients cannot be averaged: "
-            f"{_differ(ranks, layouts)}. Every rank must pass the same parameter tree (the "
-            "same keys, shapes and dtypes): build the model the same way on every rank."
-        )
-
-
-@dataclasses.dataclass
-class _Slot:
-    bucket: int
-    offset: int
-    numel: int
-    shape: torch.Size
-    stride: tuple[int, ...]  # the parameter's (dense) strides: DDP's gradient layout contract
 
 
 _shape = operator.attrgetter("shape")
 # The largest mean gradient (bytes) of a bucket that add_many writes by one concatenation:
 # about where a second pass over it costs what the calls per gradient it saves cost.
 _CONCAT_BYTES = 32 * 1024
-
-
-class _Bucket:
-    def __init__(self, dtype: torch.dtype, device: torch.device, comm_dtype: torch.dtype | None):
-        self.dtype, self.device, self.comm_dtype = dtype, device, comm_dtype
-        self.numel = 0  # rows * row
-        self.row = 0
-        self.slots: list[int] = []
-        self.arena_offset: int | None = None  # byte offset in the shared regions
-        self.buffer: torch.Tensor | None = None  # this step's: shared region or private
-        self.private: torch.Tensor | None = None
-        self.comm: torch.Tensor | None = None
-        self.shared = False  # this step's buffer is the bucket's shared-memory region
-        self.common_offset: int | None = None  # byte offset of its result in the common area
-        self.pending = 0
-        self.work = None
-        self.shapes: list[torch.Size] = []  # its slots' shapes, in the order they lie in it
-        self.concatenated = False  # add_many may write it whole (see Reducer._build)
-
-
-def assign(
-    like: list[torch.Tensor],
-    width,
-    rows: int,
-    comm_dtype,
-    bucket_bytes: int,
-    first_bucket_bytes: int,
-) -> tuple[list[_Bucket], list[tuple[int, int]]]:
-    """Group tensors into buckets, in reverse order (the last layers' gradients come first).
-
-    Each tensor takes ``width(t)`` elements of its bucket's row; a bucket is
-    ``rows`` rows (1 for all-reduce, the group size for reduce-scatter) and closes
-    once it holds ``bucket_bytes`` (``first_bucket_bytes`` for the first, so that
-    communication starts early). Tensors of different dtype or device never share
-    a bucket. Returns the buckets and each tensor's (bucket, column offset).
-    """
-    buckets: list[_Bucket] = []
-    places: list[tuple[int, int]] = [(0, 0)] * len(like)
-    open_by_kind: dict[tuple, int] = {}
-    for i in reversed(range(len(like))):
-        t = like[i]
-        kind = (t.dtype, t.device)
-        b = open_by_kind.get(kind)
-        cap = first_bucket_bytes if len(buckets) == 0 or b == 0 else bucket_bytes
-        if b is None or buckets[b].numel * t.element_size() >= cap:
-            cd = comm_dtype if comm_dtype is not None and t.is_floating_point() else None
-            buckets.append(_Bucket(t.dtype, t.device, cd if cd != t.dtype else None))
-            b = open_by_kind[kind] = len(buckets) - 1
-        bucket = buckets[b]
-        places[i] = (b, bucket.row)
-        bucket.slots.append(i)
-        bucket.row += width(t)
-        bucket.numel = rows * bucket.row
-    return buckets, places
 
 
 class Reducer:
@@ -197,7 +92,7 @@ class Reducer:
             like, lambda t: t.numel(), 1, comm_dtype, bucket_bytes, first_bucket_bytes
         )
         self.slots = [
-            _Slot(b, offset, t.numel(), t.shape, dense_strides(t))
+            Slot(b, offset, t.numel(), t.shape, dense_strides(t))
             for (b, offset), t in zip(places, like)
         ]
         for bucket in self.buckets:  # its slots in the order they lie in it
@@ -363,7 +258,7 @@ class Reducer:
             self._launch(self.buckets[self._next])
             self._next += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if not self._groups:
             return
         if bucket.shared and bucket.common_offset is not None:

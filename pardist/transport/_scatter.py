@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import GroupRef
-from pardist.transport._reducer import Reducer, _Bucket, _references, assign, check_layout
+from pardist.transport._buckets import Bucket, assign, check_layout
+from pardist.transport._reducer import Reducer, _references
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
 __all__ = ["ParamGather", "ScatterReducer", "shard_range", "signature"]
@@ -59,7 +60,7 @@ def flat_layout(like: list[torch.Tensor], size: int, bucket_bytes: int, first_bu
     return buckets, columns
 
 
-def _block(bucket: _Bucket, size: int) -> torch.Tensor:
+def _block(bucket: Bucket, size: int) -> torch.Tensor:
     return bucket.buffer.view(size, bucket.row)
 
 
@@ -126,7 +127,7 @@ class ScatterReducer(Reducer):
         col = self.slots[i]
         _block(self.buckets[col.bucket], self.size)[:, col.offset : col.offset + col.chunk].zero_()
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         if bucket.shared:
             self.arena.reduce_in_place(
                 bucket.arena_offset, bucket.numel, bucket.dtype, gather=False
