@@ -131,6 +131,97 @@ def test_added_all_at_once_a_bucket_is_one_concatenation_of_its_gradients():
     assert not Reducer(large, [], 2).buckets[0].concatenated
 
 
+def test_all_at_once_slots_with_divisors_of_their_own_divide_as_add_does():
+    # pardist.grad's first slots: the per-rank table (divided by 1: exact) and batch-norm
+    # statistics (by the ranks, not ranks x micro-batches), added with the gradients after
+    # the backward. The bucket is still one concatenation; those slots are divided again.
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=g) for n in SHAPES]
+    like = [torch.empty_like(t) for t in tensors]
+    one, many = (Reducer(like, [], 3, bucket_bytes=1 << 20) for _ in range(2))
+    assert [b.concatenated for b in many.buckets] == [True]
+    divided = [(0, tensors[0], 1), (2, tensors[2], 7)]
+    one.begin()
+    for i, t, by in divided:
+        one.add(i, t, divisor=by)
+    for i in (1, 3):
+        one.add(i, tensors[i])
+    many.begin()
+    many.add = lambda *args, **kwargs: pytest.fail("written slot by slot")
+    many.add_many([(1, tensors[1]), (3, tensors[3])], divided)
+    for a, b in zip(one.finish(), many.finish()):
+        assert torch.equal(a, b)
+    got = many.finish()
+    assert torch.equal(got[0], tensors[0]) and torch.equal(got[2], tensors[2] / 7)
+    assert torch.equal(got[1], tensors[1] / 3)
+
+
+def _bn_steps(how: str):
+    """Two data-parallel steps of a batch-norm model with per-rank statistics (their mean
+    rides in the gradient bucket with the per-rank table): the step's reduction added all
+    at once (``add_many``) or, with ``add_many`` replaced, slot by slot. Returns the
+    parameters, buffers and losses, and how many slots the second step added one by one."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    apply, params, buffers = pardist.functional(net, sync_bn=False)
+    opt = pardist.optim.adamw(1e-2)
+    state = opt.init(params)
+
+    def loss_fn(p, b, x):
+        out, b = apply(p, b, x)
+        return out.square().mean(), b
+
+    @pardist.data_parallel
+    def step(p, b, s, x):
+        (loss, b), grads = pardist.value_and_grad(loss_fn, has_aux=True)(p, b, x)
+        p, s = opt.update(grads, s, p)
+        return p, b, s, loss
+
+    one_by_one = []
+    real_add, real_many = Reducer.add, Reducer.add_many
+
+    def add(self, i, t, divisor=None):
+        one_by_one.append(i)
+        return real_add(self, i, t, divisor)
+
+    def slot_by_slot(self, pairs, divided=()):
+        for i, t, by in divided:
+            self.add(i, t, by)
+        for i, t in pairs:
+            self.add(i, t)
+
+    g = torch.Generator().manual_seed(pardist.rank())
+    Reducer.add = add
+    if how == "slot by slot":
+        Reducer.add_many = slot_by_slot
+    try:
+        losses = []
+        for _ in range(2):
+            one_by_one.clear()
+            params, buffers, state, loss = step(
+                params, buffers, state, torch.randn(6, 5, generator=g)
+            )
+            losses.append(loss)
+    finally:
+        Reducer.add, Reducer.add_many = real_add, real_many
+    return params, buffers, losses, len(one_by_one)
+
+
+def test_a_steps_reduction_all_at_once_is_the_same_bits_as_slot_by_slot(run):
+    # Between CPU ranks of one host the buckets are summed after the backward, so the
+    # table, the statistics and the gradients go to the reducer in one call, which writes
+    # this model's one bucket by one concatenation (no slot added one by one).
+    at_once, by_slot = run(2, _bn_steps, "all at once"), run(2, _bn_steps, "slot by slot")
+    for (p, b, losses, singles), (p1, b1, losses1, singles1) in zip(at_once, by_slot):
+        assert singles == 0 and singles1 == 1 + 2 + 6  # table, 2 statistics, 6 gradients
+        for mine, theirs in ((p, p1), (b, b1)):
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        assert all(torch.equal(x, y) for x, y in zip(losses, losses1))
+    (_, b, _, _), (_, b_other, _, _) = at_once
+    assert all(torch.equal(b[k], b_other[k]) for k in b)  # the statistics' mean: every rank's
+
+
 def test_the_choice_of_reduction():
     rep = [torch.empty(3), torch.empty(2, 2)]
     ctx = lambda size, scatter=frozenset(): types.SimpleNamespace(size=size, scatter=scatter)  # noqa: E731

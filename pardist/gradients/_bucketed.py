@@ -174,13 +174,16 @@ class _HandOver:
             grad = torch.zeros_like(grad)  # no rows, no weight (and not its nan gradient)
         self.reducer.add(self.base + index, grad)
 
-    def many(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        """Every ``(index, grad)`` at once, after the backward (where no hook took them)."""
+    def many(self, pairs: list[tuple[int, torch.Tensor]], first: list = ()) -> None:
+        """Every ``(index, grad)`` at once, after the backward (where no hook took them),
+        with the slots before the gradients (``first``: slot, tensor, its divisor)."""
         if self.empty and self.divisor is not None:  # zeros in their place, one by one
+            for slot, t, by in first:
+                self.reducer.add(slot, t, divisor=by)
             for index, grad in pairs:
                 self(index, grad)
         else:
-            self.reducer.add_many([(self.base + index, grad) for index, grad in pairs])
+            self.reducer.add_many([(self.base + index, grad) for index, grad in pairs], first)
 
 
 def _rows_divisor(ctx: StepContext, rep: list, rows: int, exact: bool) -> float:
@@ -246,11 +249,15 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             del ctx.call.pending_means[mark:]
             hand.use(reduction, pending, 1)
         values.append(value.detach())
-        if hand.carry and j == k - 1:  # before the last backward, which launches the buckets
+        first, after = [], []  # (slot, tensor, divisor) before the gradients; (slot, gradient)
+        if hand.carry and j == k - 1:
             mine = values[0] if k == 1 else torch.stack(values).mean()
-            hand.reducer.add(0, hand.table.encode(mine, call.rows, rep[0].dtype), divisor=1)
-            for m, t in enumerate(pending):
-                hand.reducer.add(1 + m, t, divisor=ctx.size)
+            first = [(0, hand.table.encode(mine, call.rows, rep[0].dtype), 1)]
+            first += [(1 + m, t, ctx.size) for m, t in enumerate(pending)]
+            if hand.reducer.overlaps():  # before the last backward, which launches buckets
+                for slot, t, by in first:
+                    hand.reducer.add(slot, t, divisor=by)
+                first = []
         if value.requires_grad:
             # Where buckets reduce during the backward, the reducer takes each gradient
             # the moment autograd produces it; else all of them after it (no hooks).
@@ -268,7 +275,6 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             if hand.reducer is None and divisor is None and k == 1:
                 local = list(got)  # one pass, nothing to bucket or weigh: as autograd gave
                 got = ()
-            after = []  # (slot, gradient) for the reducer, where no hook took them
             for i, g in enumerate(got):
                 if g is None:
                     continue
@@ -282,8 +288,8 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
                     parts[i][j] = g
                 else:
                     local[i] = g if local[i] is None else local[i] + g
-            if after:
-                hand.many(after)
+        if after or first:  # where no hook took them: all at once, after the backward
+            hand.many(after, first)
         aux = _detached(aux)
         call.took(j, aux)
         if call.carry is not None and j < k - 1:

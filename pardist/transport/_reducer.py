@@ -222,16 +222,21 @@ class Reducer:
             if self.overlap and bucket.pending == 0 and not bucket.shared:
                 self._launch_ready()
 
-    def add_many(self, pairs: list[tuple[int, torch.Tensor]]) -> None:
-        """``add(i, grad)`` for every pair, after the backward (no hooks).
+    def add_many(self, pairs: list[tuple[int, torch.Tensor]], divided: list = ()) -> None:
+        """``add(i, grad)`` for every pair, and ``add(i, t, divisor)`` for every triple of
+        ``divided``, after the backward (no hooks).
 
-        A bucket the pairs fill whole, in the last backward with nothing in it yet, whose
-        gradients have its dtype and slots' shapes and whose slots are row-major and small,
-        is written by one concatenation and one division in place: the numbers of ``add``'s division
-        per gradient (the same IEEE division of the same values), in two calls into C
-        instead of four per gradient.
+        A bucket they fill whole, in the last backward with nothing in it yet, whose
+        tensors have its dtype and slots' shapes and whose slots are row-major and small,
+        is written by one concatenation and one division in place, then each slot with a
+        divisor of its own divided again from its tensor: the numbers of ``add``'s
+        division per tensor (the same IEEE division of the same values), in a few calls
+        into C instead of four per tensor.
         """
         given = dict(pairs)
+        divisors = {}
+        for i, t, by in divided:
+            given[i], divisors[i] = t, by
         for bucket in self.buckets if self._last else ():
             grads = list(map(given.get, bucket.slots))
             if not (
@@ -245,13 +250,19 @@ class Reducer:
             torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
             bucket.buffer.div_(self._scale)
             for i in bucket.slots:
+                by = divisors.get(i, self._scale)
+                if by != self._scale:
+                    torch.div(given[i], by, out=self._view(i))
                 self._written[i] = True
                 del given[i]
             bucket.pending = 0
             if self.overlap and not bucket.shared:
                 self._launch_ready()
         for i, grad in given.items():
-            self.add(i, grad)
+            if i in divisors:
+                self.add(i, grad, divisors[i])
+            else:
+                self.add(i, grad)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
