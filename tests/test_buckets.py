@@ -131,6 +131,27 @@ def test_added_all_at_once_a_bucket_is_one_concatenation_of_its_gradients():
     assert not Reducer(large, [], 2).buckets[0].concatenated
 
 
+def test_the_averaged_gradients_are_views_of_the_buckets_with_their_parameters_strides():
+    # Row-major buckets hand out their slots' views in one call (views_of); a bucket with a
+    # channels_last slot, or an empty one, view by view: the same views either way.
+    g = torch.Generator().manual_seed(2)
+    for odd in (None, "channels_last", "empty"):
+        like = [torch.empty(s) for s in SHAPES] + [torch.empty(0, 3)]
+        if odd == "channels_last":
+            like[3] = like[3].contiguous(memory_format=torch.channels_last)
+        if odd != "empty":
+            like.pop()
+        reducer = Reducer(like, [], 2, bucket_bytes=1 << 20)
+        assert [bool(b.metas) for b in reducer.buckets] == [odd is None]
+        reducer.begin()
+        reducer.add_many([(i, torch.randn(t.shape, generator=g)) for i, t in enumerate(like)])
+        got = reducer.finish()
+        for i, (view, t) in enumerate(zip(got, like)):
+            want = reducer._view(i)  # the slot's own as_strided view
+            assert view.shape == t.shape and view.stride() == t.stride() == want.stride()
+            assert view.data_ptr() == want.data_ptr() and view._base is not None
+
+
 def test_all_at_once_slots_with_divisors_of_their_own_divide_as_add_does():
     # pardist.grad's first slots: the per-rank table (divided by 1: exact) and batch-norm
     # statistics (by the ranks, not ranks x micro-batches), added with the gradients after

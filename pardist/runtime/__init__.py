@@ -8,7 +8,6 @@ by ``pardist``; the names below are what the packages above may use (the modules
 """
 
 # First: an unsupported torch is refused in one line, before pardist touches its internals.
-from pardist.runtime._commit import claim_folder, commit, committed_steps
 from pardist.runtime._compat import (
     DisableTorchFunctionSubclass,
     TorchCompileInductorWrapper,
@@ -19,6 +18,7 @@ from pardist.runtime._compat import (
     dtensor_spec,
     dynamo,
     enable_saved_tensors_hooks,
+    flatten_dense,
     foreach_mul,
     foreach_norm,
     funcol,
@@ -33,6 +33,7 @@ from pardist.runtime._compat import (
     saved_tensors_hooks_enabled,
     storage_holders,
     torchrun_parser,
+    views_of,
 )
 from pardist.runtime._context import (
     CallState,
@@ -50,7 +51,16 @@ from pardist.runtime._context import (
     sharded_over,
 )
 from pardist.runtime._faults import StepMismatch
-from pardist.runtime._integrity import MARKER, CheckpointError, cause, checksums, verify
+from pardist.runtime._integrity import (
+    MARKER,
+    CheckpointError,
+    cause,
+    checksums,
+    claim_folder,
+    commit,
+    committed_steps,
+    verify,
+)
 from pardist.runtime._layout import (
     ShardsGradients,
     dense_strides,
@@ -108,6 +118,8 @@ __all__ = [
     "checkpoint_op",
     "checksums",
     "clone_all",
+    "flatten_dense",
+    "views_of",
     "compiled_plan",
     "current_mesh",
     "current_step",

@@ -220,6 +220,31 @@ def clone_all(tensors: list) -> list:
     return [t.clone() for t in tensors]
 
 
+# DDP's and apex's bucket helpers (torch._utils._flatten_dense_tensors and its inverse):
+# the loops of view(-1) / narrow().view() in C++, since torch 1.0.
+_flatten = getattr(torch._C._nn, "flatten_dense_tensors", None)
+_unflatten = getattr(torch._C._nn, "unflatten_dense_tensors", None)
+
+
+def flatten_dense(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors flattened (row-major) and concatenated, in one call into C++."""
+    if _flatten is None:  # pragma: no cover - every supported torch has it
+        return torch.cat([t.reshape(-1) for t in tensors])
+    return _flatten(tensors)
+
+
+def views_of(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Row-major views of ``flat`` shaped like each of ``like`` (nonempty), one after
+    another, in one call into C++ (``like`` may be meta tensors: only shapes are read)."""
+    if _unflatten is None:  # pragma: no cover - every supported torch has it
+        out, start = [], 0
+        for t in like:
+            out.append(flat[start : start + t.numel()].view(t.shape))
+            start += t.numel()
+        return out
+    return _unflatten(flat, like)
+
+
 # torch._C._dynamo.guards.TensorGuards: the C++ check dynamo runs on a compiled graph's
 # tensor inputs (Python type, dispatch keys, dtype, device, sizes, strides; in
 # torch/csrc/dynamo/guards.cpp since 2.0, called with these keywords since 2.1).

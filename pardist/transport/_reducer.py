@@ -24,6 +24,7 @@ are staged through a smaller shared region; elsewhere gloo or nccl reduce.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 import os
@@ -31,7 +32,14 @@ import os
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import GroupRef, _faults, dense_strides, storage_holders
+from pardist.runtime import (
+    GroupRef,
+    _faults,
+    dense_strides,
+    flatten_dense,
+    storage_holders,
+    views_of,
+)
 from pardist.transport._buckets import Bucket, Slot, assign, check_layout
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
@@ -42,6 +50,8 @@ _references = storage_holders
 
 
 _shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_each = collections.deque(maxlen=0).extend  # runs an iterator to its end, in C
 # The largest mean gradient (bytes) of a bucket that add_many writes by one concatenation:
 # about where a second pass over it costs what the calls per gradient it saves cost.
 _CONCAT_BYTES = 32 * 1024
@@ -97,15 +107,20 @@ class Reducer:
         ]
         for bucket in self.buckets:  # its slots in the order they lie in it
             bucket.shapes = [self.slots[i].shape for i in bucket.slots]
-            # add_many writes a bucket whole by one concatenation where every slot is laid
-            # out row-major (the bucket is then its gradients flattened and concatenated)
-            # and the slots are small: it costs a second pass over the bucket, which pays
-            # only where the four calls per gradient it saves cost more.
-            small = bucket.numel * bucket.dtype.itemsize <= _CONCAT_BYTES * len(bucket.slots)
-            bucket.concatenated = small and all(
-                self.slots[i].stride == torch.empty(self.slots[i].shape, device="meta").stride()
-                for i in bucket.slots
+            bucket.slot_set = frozenset(bucket.slots)
+            # Where every slot is laid out row-major (and none is empty), the bucket is its
+            # gradients flattened and concatenated: finish takes the slots' views in one
+            # call, and add_many writes a bucket of small slots by one concatenation (it
+            # costs a second pass over the bucket, which pays only where the four calls
+            # per gradient it saves cost more).
+            metas = [torch.empty(self.slots[i].shape, device="meta") for i in bucket.slots]
+            row_major = all(
+                self.slots[i].stride == meta.stride() and meta.numel() > 0
+                for i, meta in zip(bucket.slots, metas)
             )
+            bucket.metas = metas if row_major else []
+            small = bucket.numel * bucket.dtype.itemsize <= _CONCAT_BYTES * len(bucket.slots)
+            bucket.concatenated = row_major and small
 
     def _share_cpu_buckets(self, group) -> None:
         """Put CPU buckets in shared memory if the group shares a host (else None)."""
@@ -228,8 +243,8 @@ class Reducer:
 
         A bucket they fill whole, in the last backward with nothing in it yet, whose
         tensors have its dtype and slots' shapes and whose slots are row-major and small,
-        is written by one concatenation and one division in place, then each slot with a
-        divisor of its own divided again from its tensor: the numbers of ``add``'s
+        is written by one division of their concatenation, then each slot with a divisor
+        of its own divided again from its tensor: the numbers of ``add``'s
         division per tensor (the same IEEE division of the same values), in a few calls
         into C instead of four per tensor.
         """
@@ -243,18 +258,16 @@ class Reducer:
                 bucket.concatenated
                 and all(map(operator.is_not, grads, itertools.repeat(None)))  # (not `in`: ==)
                 and not any(map(self._written.__getitem__, bucket.slots))
-                and all(g.dtype == bucket.dtype for g in grads)
+                and all(map(bucket.dtype.__eq__, map(_dtype, grads)))
                 and list(map(_shape, grads)) == bucket.shapes
             ):
                 continue
-            torch.cat([g.reshape(-1) for g in grads], out=bucket.buffer)
-            bucket.buffer.div_(self._scale)
-            for i in bucket.slots:
-                by = divisors.get(i, self._scale)
-                if by != self._scale:
-                    torch.div(given[i], by, out=self._view(i))
-                self._written[i] = True
-                del given[i]
+            torch.div(flatten_dense(grads), self._scale, out=bucket.buffer)
+            for i in divisors.keys() & bucket.slot_set if divisors else ():
+                if divisors[i] != self._scale:
+                    torch.div(given[i], divisors[i], out=self._view(i))
+            _each(map(self._written.__setitem__, bucket.slots, itertools.repeat(True)))
+            _each(map(given.pop, bucket.slots))
             bucket.pending = 0
             if self.overlap and not bucket.shared:
                 self._launch_ready()
@@ -293,7 +306,7 @@ class Reducer:
         self._view(i).zero_()
 
     def _finish_buckets(self) -> None:
-        for i, written in enumerate(self._written):
+        for i, written in enumerate(self._written) if not all(self._written) else ():
             if not written:  # unused on this rank: it contributes zero
                 self._zero(i)
         for bucket in self.buckets:
@@ -319,4 +332,12 @@ class Reducer:
     def finish(self) -> list[torch.Tensor]:
         """Reduce whatever is left, wait, and return the averaged gradients."""
         self._finish_buckets()
-        return [self._view(i) for i in range(len(self.slots))]
+        out: list = [None] * len(self.slots)
+        for bucket in self.buckets:
+            if bucket.metas:  # row-major slots, one after another: in one call
+                for i, view in zip(bucket.slots, views_of(bucket.buffer, bucket.metas)):
+                    out[i] = view
+            else:
+                for i in bucket.slots:
+                    out[i] = self._view(i)
+        return out
