@@ -249,19 +249,19 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             del ctx.call.pending_means[mark:]
             hand.use(reduction, pending, 1)
         values.append(value.detach())
+        # Where buckets reduce during the backward, the reducer takes each gradient the
+        # moment autograd produces it; else all of them after it (no hooks).
+        hooked = hand.reducer is not None and hand.reducer.overlaps()
         first, after = [], []  # (slot, tensor, divisor) before the gradients; (slot, gradient)
         if hand.carry and j == k - 1:
             mine = values[0] if k == 1 else torch.stack(values).mean()
             first = [(0, hand.table.encode(mine, call.rows, rep[0].dtype), 1)]
             first += [(1 + m, t, ctx.size) for m, t in enumerate(pending)]
-            if hand.reducer.overlaps():  # before the last backward, which launches buckets
+            if hooked:  # before the last backward, which launches buckets
                 for slot, t, by in first:
                     hand.reducer.add(slot, t, divisor=by)
                 first = []
         if value.requires_grad:
-            # Where buckets reduce during the backward, the reducer takes each gradient
-            # the moment autograd produces it; else all of them after it (no hooks).
-            hooked = hand.reducer is not None and getattr(hand.reducer, "overlaps", bool)()
             for i, x in enumerate(inputs) if hooked else ():
                 if replicated[i]:
                     x.register_hook(functools.partial(hand, rep_index[i]))

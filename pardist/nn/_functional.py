@@ -9,7 +9,6 @@ hands those back, so the caller's tensors are never mutated.
 
 from __future__ import annotations
 
-import collections
 import copy
 from collections.abc import Callable
 from operator import setitem
@@ -33,8 +32,6 @@ from pardist.runtime import (
 from pardist.sharding import _apply, _units
 
 __all__ = ["functional"]
-
-_each = collections.deque(maxlen=0).extend  # runs an iterator to its end
 
 
 def _meta_skeleton(module: nn.Module) -> nn.Module:
@@ -150,7 +147,7 @@ def _put(tables: list, attrs: list, values) -> None:
         for table, attr, value in zip(tables, attrs, values):
             table[attr] = value
     else:
-        _each(map(setitem, tables, attrs, values))
+        _tree.each(map(setitem, tables, attrs, values))
 
 
 def functional(

@@ -6,6 +6,7 @@ nesting of dict / list / tuple / NamedTuple with leaves.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ __all__ = [
     "any_instance",
     "broadcast_prefix",
     "check_tensor_leaves",
+    "each",
     "keystr",
     "leaves_with_paths",
     "tree_flatten",
@@ -32,6 +34,9 @@ tree_unflatten = _flat.tree_unflatten
 tree_leaves = _flat.tree_leaves
 tree_map = _flat.tree_map
 keystr = pytree.keystr
+
+
+each = collections.deque(maxlen=0).extend  # runs an iterator (a map) to its end, in C
 
 
 def any_instance(xs: Iterable, kind: type) -> bool:

@@ -84,10 +84,9 @@ class Bucket:
         self.common_offset: int | None = None  # byte offset of its result in the common area
         self.pending = 0
         self.work = None
-        self.slot_set: frozenset[int] = frozenset()  # its slots, to look up
         self.shapes: list[torch.Size] = []  # its slots' shapes, in the order they lie in it
         self.concatenated = False  # add_many may write it whole (see Reducer._build)
-        self.metas: list[torch.Tensor] = []  # its slots' shapes, where all are row-major
+        self.metas: list[torch.Tensor] = []  # meta tensors like its slots, if all row-major
 
 
 def assign(

@@ -24,7 +24,6 @@ are staged through a smaller shared region; elsewhere gloo or nccl reduce.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 import os
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from pardist.runtime import (
     GroupRef,
     _faults,
+    _tree,
     dense_strides,
     flatten_dense,
     storage_holders,
@@ -51,7 +51,6 @@ _references = storage_holders
 
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
-_each = collections.deque(maxlen=0).extend  # runs an iterator to its end, in C
 # The largest mean gradient (bytes) of a bucket that add_many writes by one concatenation:
 # about where a second pass over it costs what the calls per gradient it saves cost.
 _CONCAT_BYTES = 32 * 1024
@@ -107,7 +106,6 @@ class Reducer:
         ]
         for bucket in self.buckets:  # its slots in the order they lie in it
             bucket.shapes = [self.slots[i].shape for i in bucket.slots]
-            bucket.slot_set = frozenset(bucket.slots)
             # Where every slot is laid out row-major (and none is empty), the bucket is its
             # gradients flattened and concatenated: finish takes the slots' views in one
             # call, and add_many writes a bucket of small slots by one concatenation (it
@@ -263,11 +261,11 @@ class Reducer:
             ):
                 continue
             torch.div(flatten_dense(grads), self._scale, out=bucket.buffer)
-            for i in divisors.keys() & bucket.slot_set if divisors else ():
+            for i in divisors.keys() & bucket.slots if divisors else ():
                 if divisors[i] != self._scale:
                     torch.div(given[i], divisors[i], out=self._view(i))
-            _each(map(self._written.__setitem__, bucket.slots, itertools.repeat(True)))
-            _each(map(given.pop, bucket.slots))
+            _tree.each(map(self._written.__setitem__, bucket.slots, itertools.repeat(True)))
+            _tree.each(map(given.pop, bucket.slots))
             bucket.pending = 0
             if self.overlap and not bucket.shared:
                 self._launch_ready()
@@ -306,9 +304,9 @@ class Reducer:
         self._view(i).zero_()
 
     def _finish_buckets(self) -> None:
-        for i, written in enumerate(self._written) if not all(self._written) else ():
-            if not written:  # unused on this rank: it contributes zero
-                self._zero(i)
+        if not all(self._written):
+            for i in itertools.compress(itertools.count(), map(operator.not_, self._written)):
+                self._zero(i)  # unused on this rank: it contributes zero
         for bucket in self.buckets:
             bucket.pending = 0
         self._launch_ready()
