@@ -83,18 +83,24 @@ def _check_unmutated(donate: bool):
     after = _tensors((params, buffers, state, x, y))
     changed = [not torch.equal(a, b) for a, b in zip(before, after)]
     aliased = all(a is b for a, b in zip(_tensors(out[0]), _tensors(params)))
-    return changed, aliased, [len(_tensors(t)) for t in (params, buffers, state)]
+    # Written in place, the update hands back the given trees (no containers rebuilt).
+    trees = [
+        out[0] is params,
+        out[2].exp_avg is state.exp_avg,
+        out[2].exp_avg_sq is state.exp_avg_sq,
+    ]
+    return changed, aliased, [len(_tensors(t)) for t in (params, buffers, state)], trees
 
 
 def test_inputs_unmutated_without_donation(run):
-    for changed, aliased, _ in run(2, _check_unmutated, False):
+    for changed, aliased, _, trees in run(2, _check_unmutated, False):
         assert not any(changed)
-        assert not aliased
+        assert not aliased and not any(trees)
 
 
 def test_donation_updates_in_place(run):
-    for changed, aliased, (n_params, n_buffers, _) in run(2, _check_unmutated, True):
-        assert aliased  # the new params are the donated tensors, updated in place
+    for changed, aliased, (n_params, n_buffers, _), trees in run(2, _check_unmutated, True):
+        assert aliased and all(trees)  # the donated tensors (and trees), updated in place
         assert any(changed[:n_params])
         assert not any(changed[n_params : n_params + n_buffers])  # buffers were not donated
 

@@ -65,6 +65,55 @@ def test_set_rng_count_checks_its_argument():
         pardist.set_rng_count(-1)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_step_streams_generators_are_as_seeded_by_their_own_calls(monkeypatch, fast):
+    # Each stream's states are made ahead, several steps at a time, on spare generators
+    # (_rng._planned): inside it, torch's, NumPy's and Python's generators must be
+    # exactly as torch.manual_seed / np.random.seed / random.seed of the derived value
+    # leave them, across a plan's end, two indices in turn, a count set back and a new
+    # seed; and the caller's states come back after each.
+    import random
+
+    import numpy as np
+
+    from pardist.runtime import _numpy_rng, _python_rng, _rng
+
+    if not fast:  # the libraries' own calls, where the copies are not known to be exact
+        monkeypatch.setattr(_numpy_rng, "_fast", False)
+        monkeypatch.setattr(_python_rng, "_checked", (random._inst, None))
+    monkeypatch.setattr(_rng, "_plans", {})
+
+    def states():
+        return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and _numpy_states_equal(a[1], b[1]) and a[2] == b[2]
+
+    caller = states()
+    torch.manual_seed(3)
+    order = [0] * 20 + [0, 3, 0, 3, 3] + ["count 5", 0, 0, "seed 7", 0, 3]
+    try:
+        for index in order:
+            if index == "count 5":
+                pardist.set_rng_count(5)
+                continue
+            if index == "seed 7":
+                torch.manual_seed(7)
+                continue
+            value = _rng.derive(torch.initial_seed(), index, pardist.rng_count())
+            np.random.seed(11)
+            np.random.standard_normal()  # the caller's cached Gaussian, to be kept
+            before = states()
+            with _rng.stream(index):
+                inside = states()
+            assert same(states(), before)
+            torch.manual_seed(value), np.random.seed(value % 2**32), random.seed(value)
+            assert same(inside, states()), f"stream {index} at count {pardist.rng_count() - 1}"
+            torch.set_rng_state(before[0])
+    finally:
+        torch.set_rng_state(caller[0]), np.random.set_state(caller[1]), random.setstate(caller[2])
+
+
 def test_nested_streams_reseed_by_index():
     from pardist.runtime import _rng
 
@@ -253,8 +302,8 @@ def test_python_random_state_comes_back_exactly(monkeypatch, how, cached_gauss):
 
     from pardist.runtime import _python_rng
 
-    monkeypatch.setattr(_python_rng, "_checked", random._inst)
-    monkeypatch.setattr(_python_rng, "_fast", how == "fast")
+    region = _python_rng._region(random._inst) if how == "fast" else None
+    monkeypatch.setattr(_python_rng, "_checked", (random._inst, region))
     random.seed(7)
     if cached_gauss:
         random.gauss(0.0, 1.0)  # draws two, keeps one
@@ -276,6 +325,6 @@ def test_the_fast_python_random_path_is_taken_where_it_is_exact():
 
     from pardist.runtime import _python_rng
 
-    assert _python_rng._works()  # CPython's RandomObject; else getstate / setstate
+    assert _python_rng._works(random._inst)  # CPython's RandomObject; else getstate / setstate
     _python_rng.save()
-    assert _python_rng._checked is random._inst and _python_rng._fast
+    assert _python_rng._checked[0] is random._inst and _python_rng._fast

@@ -88,11 +88,9 @@ def adamw(
     checked = Checked()  # the checks' answers, kept for one signature of the tensors
 
     def update_fn(grads, state, params):
-        leaves = [
-            _tree.tree_leaves(state.exp_avg),
-            _tree.tree_leaves(state.exp_avg_sq),
-            _tree.tree_leaves(state.max_exp_avg_sq) if amsgrad else None,
-        ]
+        trees = (state.exp_avg, state.exp_avg_sq) + ((state.max_exp_avg_sq,) if amsgrad else ())
+        flat = [_tree.tree_flatten(t) for t in trees]
+        leaves = [f[0] for f in flat] + ([] if amsgrad else [None])
         g, p, treedef, answers = checked.aligned(grads, params, leaves, f"{name}.update")
         in_place, p, (m, v, vmax) = owned(p, *leaves)
         traced = torch.compiler.is_compiling()  # then the count is no Python int
@@ -120,13 +118,13 @@ def adamw(
             steps = [torch.tensor(float(int(state.count))) for _ in p]  # torch adds the 1
             kernel = torch_adamw if decoupled else torch_adam
             kernel(p, g, m, v, vmax or [], steps, foreach=foreach, **options)
+        count = next_count(state.count, in_place)
+        if in_place and all(spec is treedef or spec == treedef for _, spec in flat):
+            # Written in place: the given trees hold the new values (no rebuilt containers)
+            more = state.max_exp_avg_sq if amsgrad else None
+            return params, AdamWState(count, state.exp_avg, state.exp_avg_sq, more)
         unflat = lambda ts: _tree.tree_unflatten(ts, treedef)  # noqa: E731
-        return unflat(p), AdamWState(
-            next_count(state.count, in_place),
-            unflat(m),
-            unflat(v),
-            unflat(vmax) if amsgrad else None,
-        )
+        return unflat(p), AdamWState(count, unflat(m), unflat(v), unflat(vmax) if amsgrad else None)
 
     return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"), lr)
 

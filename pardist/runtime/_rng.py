@@ -23,11 +23,9 @@ so each row group can draw from its own stream, the same at every world size.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import random
 import weakref
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -78,12 +76,41 @@ def group_seed(group: int) -> int:
     return derive(seed, -1 - group, _state["count"])
 
 
-def _seed(value: int, cuda: bool) -> None:
+def _seed(value: int, cuda: bool, made: tuple | None = None) -> None:
+    """Every generator seeded with ``value``; NumPy's and Python's from the states
+    ``made`` ahead for it (:func:`_planned`) where given, by their seed calls otherwise."""
     torch.default_generator.manual_seed(value)
     if cuda:
         torch.cuda.manual_seed(value)  # the current device only
-    np.random.seed(value % 2**32)  # NumPy's legacy seed must fit in 32 bits
-    random.seed(value)
+    if made is None:
+        np.random.seed(value % 2**32)  # NumPy's legacy seed must fit in 32 bits
+        random.seed(value)
+    else:
+        _numpy_rng.restore(made[0])
+        _python_rng.restore(made[1])
+
+
+_AHEAD = 16  # steps whose seeded states are made at once
+_plans: dict = {}  # (seed, index) -> {count: (value, (NumPy's state, Python's state))}
+
+
+def _planned(seed: int, index: int, count: int) -> tuple[int, tuple]:
+    """The seed of ``(seed, index, count)``'s stream, and the states NumPy's and Python's
+    generators have when seeded with it, made for ``_AHEAD`` steps at a time.
+
+    Seeding those two generators is a call into each library per step (and a hash),
+    code a step's forward and backward leave out of the caches; made ahead on spare
+    generators, a step puts their states in place by one copy each."""
+    plan = _plans.get((seed, index))
+    if plan is None or count not in plan:
+        if len(_plans) >= 4:  # a few (seed, index) pairs in turn: steps over other axes
+            _plans.clear()
+        counts = range(count, count + _AHEAD)
+        values = [derive(seed, index, c) for c in counts]
+        _plans[(seed, index)] = plan = {
+            c: (v, (_numpy_rng.seeded(v), _python_rng.seeded(v))) for c, v in zip(counts, values)
+        }
+    return plan.pop(count)
 
 
 def _cuda() -> bool:
@@ -102,27 +129,40 @@ def rank_index(mesh, axes: tuple) -> int:
     return known[axes]
 
 
-@contextlib.contextmanager
-def stream(index: int) -> Iterator[None]:
+class stream:  # noqa: N801 (used as a function: ``with stream(index):``)
     """Draw random numbers from the stream of ``index`` (a rank, a row group) and this step.
 
     Outermost: the global generators are saved, seeded, and restored on exit, and
     the step count advances. Nested: reseeded for ``index`` at the same count.
+    (A class, not a generator-based context manager: entered on every step.)
     """
-    if _state["depth"] > 0:
-        _seed(derive(_state["seed"], index, _state["count"]), _cuda())
-        yield
-        return
-    cuda = _cuda()
-    cpu_state = torch.default_generator.get_state()
-    cuda_state = torch.cuda.get_rng_state() if cuda else None
-    np_state, py_state = _numpy_rng.save(), _python_rng.save()
-    _state["seed"] = torch.initial_seed()
-    _seed(derive(_state["seed"], index, _state["count"]), cuda)
-    _state["depth"] += 1
-    try:
-        yield
-    finally:
+
+    __slots__ = ("index", "saved")
+
+    def __init__(self, index: int):
+        self.index, self.saved = index, None
+
+    def __enter__(self) -> None:
+        if _state["depth"] > 0:
+            _seed(derive(_state["seed"], self.index, _state["count"]), _cuda())
+            return
+        cuda = _cuda()
+        self.saved = (
+            torch.default_generator.get_state(),
+            torch.cuda.get_rng_state() if cuda else None,
+            _numpy_rng.save(),
+            _python_rng.save(),
+        )
+        _state["seed"] = torch.initial_seed()
+        value, made = _planned(_state["seed"], self.index, _state["count"])
+        _seed(value, cuda, made)
+        _state["depth"] += 1
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is None:  # nested
+            return
+        cpu_state, cuda_state, np_state, py_state = self.saved
+        self.saved = None
         _state["depth"] -= 1
         _state["count"] += 1
         torch.default_generator.set_state(cpu_state)
