@@ -44,6 +44,7 @@ def test_fast_flattening_is_torchs(tree):
         fast, fast_spec = _flat.tree_flatten(tree)
         assert fast_spec == spec and len(fast) == len(leaves)
         assert all(a is b for a, b in zip(fast, leaves))
+        assert [id(x) for x in _flat.tree_leaves(tree)] == [id(x) for x in leaves]
         back = _flat.tree_unflatten(fast, fast_spec)
         assert type(back) is type(tree) and pytree.tree_flatten(back)[1] == spec
 

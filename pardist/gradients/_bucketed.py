@@ -229,7 +229,7 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     if reduction.buckets and not reduction.late:
         hand.use(reduction, [], k)
     local: list = [None] * len(leaves)
-    parts: list = [[None] * k for _ in leaves]
+    parts: list = [[None] * k for _ in leaves] if k > 1 else []  # split gradients, per micro-batch
     values, auxes = [], []
     for j, margs, mleaves in call.micro_batches():
         if hand.reducer is not None and j == k - 1:
@@ -322,7 +322,7 @@ def compute_local(call: Call, leaves: list) -> tuple[torch.Tensor, Any, list]:
     """
     k = call.accumulate
     local: list = [None] * len(leaves)
-    parts: list = [[None] * k for _ in leaves]
+    parts: list = [[None] * k for _ in leaves] if k > 1 else []  # split gradients, per micro-batch
     values, auxes = [], []
     for j, margs, mleaves in call.micro_batches():
         inputs = [t.detach().requires_grad_() for n in call.nums for t in mleaves[n]]

@@ -76,7 +76,7 @@ def checked(values: torch.Tensor, ctx: StepContext) -> bool:
     """Whether :func:`report` looks at these values (reading them costs a host sync)."""
     if ctx.call.loss_scaled:  # pardist.amp.dynamic_loss_scale skips such steps on purpose
         return False
-    return values.device.type == "cpu" or debug_enabled()
+    return values.is_cpu or debug_enabled()
 
 
 def report(values: torch.Tensor, counts: list[int], mean: str, ctx: StepContext, where: str):

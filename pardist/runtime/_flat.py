@@ -77,8 +77,40 @@ def tree_flatten(tree, is_leaf=None) -> tuple[list, pytree.TreeSpec]:
     return leaves, spec
 
 
+def _leaves(node, leaves: list) -> None:
+    """``_walk`` without the structure key: only the leaves, appended to ``leaves``."""
+    kind = type(node)
+    if kind is dict or kind is list or kind is tuple:
+        values = node.values() if kind is dict else node
+        if _LEAVES.issuperset(map(type, values)):
+            leaves.extend(values)
+            return
+        for v in values:
+            if type(v) in _LEAVES:
+                leaves.append(v)
+            else:
+                _leaves(v, leaves)
+        return
+    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        for v in node:
+            _leaves(v, leaves)
+        return
+    if kind in pytree.SUPPORTED_NODES or issubclass(kind, (tuple, dict, list)):
+        raise _Other
+    leaves.append(node)
+
+
 def tree_leaves(tree, is_leaf=None) -> list:
-    return tree_flatten(tree, is_leaf)[0]
+    """``torch.utils._pytree.tree_leaves``: by the walk of :func:`tree_flatten` with no
+    structure to key (nor its keys touched), where that walk applies."""
+    if is_leaf is not None or torch.compiler.is_compiling():
+        return pytree.tree_leaves(tree, is_leaf=is_leaf)
+    leaves: list = []
+    try:
+        _leaves(tree, leaves)
+    except _Other:
+        return pytree.tree_leaves(tree)
+    return leaves
 
 
 def _source(spec, out: list, consts: list) -> str:
