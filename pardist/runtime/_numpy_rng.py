@@ -40,8 +40,11 @@ def _memory(address: int, size: int) -> memoryview:
 
 def _regions(rs: np.random.RandomState) -> tuple[memoryview, memoryview]:
     """Views of ``rs``'s words and cached Gaussian (valid while ``rs`` lives)."""
+    offset = _find_gauss()
+    if offset < 0:  # (only _works() enables this path, and it needs the offset)
+        raise RuntimeError("pardist: NumPy's cached Gaussian was not found in RandomState")
     words = _memory(rs._bit_generator.ctypes.state_address, _BYTES)
-    return words, _memory(id(rs) + (_aug_offset or _find_gauss()), _AUG)
+    return words, _memory(id(rs) + offset, _AUG)
 
 
 def _global() -> tuple[memoryview, memoryview]:
