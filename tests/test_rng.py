@@ -327,4 +327,4 @@ def test_the_fast_python_random_path_is_taken_where_it_is_exact():
 
     assert _python_rng._works(random._inst)  # CPython's RandomObject; else getstate / setstate
     _python_rng.save()
-    assert _python_rng._checked[0] is random._inst and _python_rng._fast
+    assert _python_rng._checked[0] is random._inst and _python_rng._checked[1] is not None

@@ -33,24 +33,25 @@ class _Other(Exception):
     """A node type only torch's pytree knows how to flatten."""
 
 
-def _walk(node, leaves: list):
-    """Append ``node``'s leaves to ``leaves``; return its structure key."""
+def _walk(node, leaves: list, keyed: bool = True):
+    """Append ``node``'s leaves to ``leaves``; return its structure key (None where not
+    ``keyed``: only the leaves are wanted, and no dict's keys are touched)."""
     kind = type(node)
     if kind is dict or kind is list or kind is tuple:
         values = node.values() if kind is dict else node
         if _LEAVES.issuperset(map(type, values)):  # all leaves (a dict of tensors): in C
             leaves.extend(values)
-            return (kind, tuple(node) if kind is dict else len(node))
+            return (kind, tuple(node) if kind is dict else len(node)) if keyed else None
         sub = []
         for v in values:
             if type(v) in _LEAVES:  # most children of a step's trees: no call
                 leaves.append(v)
                 sub.append(None)
             else:
-                sub.append(_walk(v, leaves))
-        return (kind, tuple(node) if kind is dict else len(node), tuple(sub))
+                sub.append(_walk(v, leaves, keyed))
+        return (kind, tuple(node) if kind is dict else len(node), tuple(sub)) if keyed else None
     if issubclass(kind, tuple) and hasattr(kind, "_fields"):  # a NamedTuple
-        return (kind, len(node), tuple(_walk(v, leaves) for v in node))
+        return (kind, len(node), tuple(_walk(v, leaves, keyed) for v in node))
     if kind in pytree.SUPPORTED_NODES or issubclass(kind, (tuple, dict, list)):
         raise _Other  # OrderedDict, structseq, registered classes: torch's rules
     leaves.append(node)
@@ -77,29 +78,6 @@ def tree_flatten(tree, is_leaf=None) -> tuple[list, pytree.TreeSpec]:
     return leaves, spec
 
 
-def _leaves(node, leaves: list) -> None:
-    """``_walk`` without the structure key: only the leaves, appended to ``leaves``."""
-    kind = type(node)
-    if kind is dict or kind is list or kind is tuple:
-        values = node.values() if kind is dict else node
-        if _LEAVES.issuperset(map(type, values)):
-            leaves.extend(values)
-            return
-        for v in values:
-            if type(v) in _LEAVES:
-                leaves.append(v)
-            else:
-                _leaves(v, leaves)
-        return
-    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
-        for v in node:
-            _leaves(v, leaves)
-        return
-    if kind in pytree.SUPPORTED_NODES or issubclass(kind, (tuple, dict, list)):
-        raise _Other
-    leaves.append(node)
-
-
 def tree_leaves(tree, is_leaf=None) -> list:
     """``torch.utils._pytree.tree_leaves``: by the walk of :func:`tree_flatten` with no
     structure to key (nor its keys touched), where that walk applies."""
@@ -107,7 +85,7 @@ def tree_leaves(tree, is_leaf=None) -> list:
         return pytree.tree_leaves(tree, is_leaf=is_leaf)
     leaves: list = []
     try:
-        _leaves(tree, leaves)
+        _walk(tree, leaves, keyed=False)
     except _Other:
         return pytree.tree_leaves(tree)
     return leaves

@@ -33,18 +33,16 @@ def _region(inst: random.Random) -> memoryview:
     return memoryview((ctypes.c_char * _BYTES).from_address(id(inst) + _HEAD)).cast("B")
 
 
-_fast: bool | None = None
-_checked: tuple = (None, None)  # the instance the fast path was checked on, its region
+_checked: tuple = (None, None)  # the instance checked, its region (None: not exact for it)
 
 
 def _global() -> memoryview | None:
     """The global generator's region (None: the fast path is not exact for it), checked
     on first use and again where ``random._inst`` was replaced."""
-    global _fast, _checked
+    global _checked
     inst = random._inst
     if _checked[0] is not inst:
-        _fast = _works(inst)
-        _checked = (inst, _region(inst) if _fast else None)  # (holds it alive)
+        _checked = (inst, _region(inst) if _works(inst) else None)  # (holds it alive)
     return _checked[1]
 
 
