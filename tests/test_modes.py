@@ -10,6 +10,8 @@ Where analysis says the bits themselves must match, they are compared with
 ``torch.equal``: activation checkpointing re-runs the same kernels on the same
 inputs (so it is eager's bits), and the deterministic mode sums in a fixed order
 of row groups (so it is its own bits at 1 and 2 ranks). A new mode is a new row.
+One process runs ALONE (eager with nothing to reduce), which must give forced
+EAGER's bits there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from numerics import assert_close64
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 import pardist
 from pardist import optim
@@ -147,3 +150,72 @@ def test_the_deterministic_mode_gives_its_bits_at_1_and_2_ranks(run):
     for params, losses in run(2, train, "deterministic"):
         assert all(torch.equal(params[k], one[0][k]) for k in one[0])
         assert torch.equal(losses, one[1])
+
+
+def alone_or_eager(force_eager: bool):
+    """A one-process step with batch norm (per-rank statistics), dropout and AdamW, run
+    as pardist picks (ALONE) or forced EAGER; what it gives and which path each took."""
+    from pardist.gradients import _bucketed
+    from pardist.step import _shard_map
+
+    taken = {"compute": 0, "compute_local": 0}
+    kept = {name: getattr(_bucketed, name) for name in taken}
+
+    def counted(name):
+        def path(*args):
+            taken[name] += 1
+            return kept[name](*args)
+
+        return path
+
+    try:
+        for name in taken:
+            setattr(_bucketed, name, counted(name))
+        _shard_map.ALONE = pardist.runtime.EAGER if force_eager else pardist.runtime.ALONE
+        return _train_alone(), taken
+    finally:
+        for name, fn in kept.items():
+            setattr(_bucketed, name, fn)
+        _shard_map.ALONE = pardist.runtime.ALONE
+
+
+def _train_alone():
+    pardist.seed_everything(0)  # dropout's streams from the same count in both runs
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 4))
+    apply, params, buffers = pardist.functional(net.to(F64), sync_bn=False)
+    opt = optim.adamw(1e-2)
+    modes = []
+
+    def loss_fn(p, b, x, y):
+        out, b = apply(p, b, x)
+        return F.cross_entropy(out, y), b
+
+    @pardist.data_parallel(donate_argnums=(0, 1, 2))
+    def step(p, b, s, xy):
+        modes.append(pardist.runtime.current_mode().name)
+        (loss, b), g = pardist.value_and_grad(loss_fn, has_aux=True)(p, b, *xy)
+        p, s = opt.update(g, s, p)
+        return p, b, s, loss
+
+    state, losses = (params, buffers, opt.init(params)), []
+    for s in range(STEPS):
+        *state, loss = step(*state, batch(s))
+        losses.append(loss)
+    x, y, nan = *batch(0), float("nan")
+    with pytest.warns(pardist.NonFiniteLossWarning, match="loss"):
+        step(*tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, state), (x * nan, y))
+    return tree_leaves((state, losses)), modes
+
+
+def test_one_process_runs_alone_with_eagers_bits(run):
+    """One process runs ALONE (eager with nothing to reduce: autograd's gradient as it
+    is, no batch placed, no reducer) and gives forced EAGER's bits, loss check included."""
+    ((got, modes), taken), ((want, eager_modes), eager_taken) = (
+        run(1, alone_or_eager, force)[0] for force in (False, True)
+    )
+    assert modes == ["alone"] * (STEPS + 1) and eager_modes == ["eager"] * (STEPS + 1)
+    assert taken == {"compute": 0, "compute_local": STEPS + 1}
+    assert eager_taken == {"compute": STEPS + 1, "compute_local": 0}
+    assert len(got) == len(want) > 10
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is b is None) or torch.equal(a, b), (i, a, b)

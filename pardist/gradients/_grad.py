@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,12 +35,13 @@ from pardist.gradients import (
     _deterministic,
     _microbatch,
     _nested,
+    _perrank,
     _tokens,
     _traced_grad,
 )
 from pardist.gradients._bucketed import Call
 from pardist.runtime import (
-    EAGER,
+    ALONE,
     Compiled,
     Deterministic,
     Eager,
@@ -95,8 +97,12 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     """(value, aux, grads like args[argnums]); inside a step the value is the global loss."""
     nums = _argnums_tuple(argnums, len(args), where)
     ctx = current_step()
-    mode = ctx.mode if ctx is not None else EAGER
+    mode = ctx.mode if ctx is not None else ALONE
     k, mean = options["accumulate"], options["mean"]
+    flat = [_tree.tree_flatten(a) for a in args]
+    leaves = _differentiated(args, flat, nums, where)
+    if mode.alone and k == 1 and mean == "ranks" and _plain(options, leaves):
+        return _alone(f, nums, has_aux, options, args, kwargs, where, flat, leaves, ctx)
     counts = None
     if mean == "tokens":  # the paths differentiate the sums; _tokens divides by the count
         if not mode.counts_tokens:
@@ -109,27 +115,10 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
         mean = "ranks"
     weighted = mean == "rows" and ctx is not None and ctx.size > 1
     groups = mode.groups
-    flat = [_tree.tree_flatten(a) for a in args]
     masks = _microbatch.batch_masks(
         flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted or groups
     )
     carry = _microbatch.check_carry(options["carry"], len(args), nums, masks, has_aux, where)
-    for n in nums:
-        if not all(map(isinstance, flat[n][0], itertools.repeat(torch.Tensor))):
-            _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
-    leaves = [leaf for n in nums for leaf in flat[n][0]]
-    # (the Tensor method costs half of torch.is_floating_point; dynamo traces the latter)
-    floating = torch.is_floating_point if torch.compiler.is_compiling() else _is_floating
-    if not all(map(floating, leaves)) and not all(
-        t.is_floating_point() or t.is_complex() for t in leaves
-    ):
-        for n in nums:
-            for (path, _), leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), flat[n][0]):
-                if not (leaf.is_floating_point() or leaf.is_complex()):
-                    raise TypeError(
-                        f"{where}: {path} has dtype {leaf.dtype}; only "
-                        "floating-point tensors can be differentiated."
-                    )
     split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
     # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
     # reduce-scatters their gradients, so they take no part in the all-reduce.
@@ -164,6 +153,52 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     value, aux, grads = mode.run("grad", call, ctx, leaves)
     if counts is not None:
         value, grads = _tokens.weigh(value, grads, leaves, call, ctx, counts)
+    return value, aux, _regroup(grads, [flat[n] for n in nums])
+
+
+def _differentiated(args: tuple, flat: list, nums: tuple, where: str) -> list:
+    """The leaves of ``args[nums]``, checked to be floating-point (or complex) tensors."""
+    for n in nums:
+        if not all(map(isinstance, flat[n][0], itertools.repeat(torch.Tensor))):
+            _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
+    leaves = [leaf for n in nums for leaf in flat[n][0]]
+    # (the Tensor method costs half of torch.is_floating_point; dynamo traces the latter)
+    floating = torch.is_floating_point if torch.compiler.is_compiling() else _is_floating
+    if not all(map(floating, leaves)) and not all(
+        t.is_floating_point() or t.is_complex() for t in leaves
+    ):
+        for n in nums:
+            for (path, _), leaf in zip(_tree.leaves_with_paths(args[n], f"args[{n}]"), flat[n][0]):
+                if not (leaf.is_floating_point() or leaf.is_complex()):
+                    raise TypeError(
+                        f"{where}: {path} has dtype {leaf.dtype}; only "
+                        "floating-point tensors can be differentiated."
+                    )
+    return leaves
+
+
+def _plain(options: dict, leaves: list) -> bool:
+    """A call the ALONE mode takes as it is: nothing to split, carry or place, and
+    neither nested in a transform nor FSDP-sharded (else the full path, same numbers)."""
+    return (
+        options["batch_argnums"] is None
+        and options["carry"] in (None, _microbatch.UNSET)
+        and not _nested.in_transform(leaves)
+        and not _tree.any_instance(leaves, DTensor)
+    )
+
+
+def _alone(f, nums, has_aux: bool, options: dict, args, kwargs, where: str, flat, leaves, ctx):
+    """(value, aux, grads) on one process or outside a step: autograd's, in one pass,
+    with the step's check of a non-finite loss."""
+    f = _depends.watched(f, nums, has_aux, where)  # model(x) instead of apply: an error
+    call = Call(f, nums, has_aux, 1, "ranks", args, kwargs, where, flat, [None] * len(args), None)
+    call.split, call.carry_option = [False] * len(leaves), options["carry"]
+    value, aux, grads = _bucketed.compute_local(call, leaves)
+    if ctx is not None and _perrank.checked(value, ctx) and not math.isfinite(value.item()):
+        masks = _microbatch.batch_masks(flat, nums, None, ctx, where, strict=False)
+        rows = _rows(flat, masks, False, where)
+        _perrank.report(value.double().reshape(1), [rows], "ranks", ctx, where)
     return value, aux, _regroup(grads, [flat[n] for n in nums])
 
 

@@ -70,7 +70,7 @@ from pardist.runtime._layout import (
 )
 from pardist.runtime._lockstep import Lockstep
 from pardist.runtime._mesh import Mesh, current_mesh, distributed, init
-from pardist.runtime._modes import EAGER, Compiled, Deterministic, Eager, Mode
+from pardist.runtime._modes import ALONE, EAGER, Alone, Compiled, Deterministic, Eager, Mode
 from pardist.runtime._process import (
     GroupRef,
     device,
@@ -89,7 +89,9 @@ from pardist.runtime._signature import Signature
 from pardist.runtime._warnings import DuplicateBatchWarning, NonFiniteLossWarning
 
 __all__ = [
+    "ALONE",
     "EAGER",
+    "Alone",
     "Compiled",
     "Deterministic",
     "Eager",

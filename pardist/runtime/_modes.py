@@ -16,8 +16,8 @@ Code that runs an operation calls ``current_mode().run(op, ...)``, which calls t
 rule with the mode first, and never asks which mode it is in. A mode inherits its
 parent's rules unless it registers its own (the deterministic mode is eager but for
 the gradient and the statistics).
-Outside any step the mode is :data:`EAGER`. A new way of running is one subclass
-here and its rules beside the operations.
+Outside any step the mode is :data:`EAGER` (to ``pardist.grad``, :data:`ALONE`). A
+new way of running is one subclass here and its rules beside the operations.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EAGER", "Compiled", "Deterministic", "Eager", "Mode"]
+__all__ = ["ALONE", "EAGER", "Alone", "Compiled", "Deterministic", "Eager", "Mode"]
 
 
 class Mode:
@@ -72,6 +72,18 @@ class Eager(Mode):
     groups = 0  # row groups of the deterministic mode (0: not deterministic)
     plan = None
     counts_tokens = True  # pardist.grad(mean='tokens') is supported
+    alone = False  # one process: nothing is reduced and no value varies (see Alone)
+
+
+class Alone(Eager):
+    """Eager on one process (every mesh axis of size one): nothing is reduced and no
+    value varies, so a plain ``pardist.grad`` call (one pass, ranks weighed equally) is
+    autograd's gradient as it is outside any step, with no batch to place and no
+    reduction to choose; the same numbers by fewer steps. Its rules are eager's. A step
+    takes it where it would run eagerly on a mesh of one."""
+
+    name = "alone"
+    alone = True
 
 
 class Deterministic(Eager):
@@ -91,9 +103,11 @@ class Compiled(Mode):
     name = "compiled"
     groups = 0
     counts_tokens = False
+    alone = False
 
     def __init__(self, plan: Any):
         self.plan = plan
 
 
 EAGER = Eager()
+ALONE = Alone()

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _collectives, _vma
 from pardist.compile import _step
 from pardist.runtime import (
+    ALONE,
     EAGER,
     Deterministic,
     Ids,
@@ -238,6 +239,9 @@ class Step:
         varying = set(map(ids.__getitem__, sharded))
         if _tree.any_instance(leaves, DTensor):  # pardist.fsdp shards vary over their axis
             varying |= {id(x) for x in leaves if isinstance(x, DTensor)}
+        # Track varying axes only where an axis beyond the data axes can make values differ;
+        # on one process (no axis of size > 1) an eager step runs ALONE: nothing to reduce.
+        live = {a for a, n in mesh.shape.items() if n > 1}
         ctx = StepContext(
             name=self.where,
             mesh=mesh,
@@ -251,10 +255,8 @@ class Step:
             compression=self.compression,
             overlap=self.overlap,
             bucket_bytes=int(self.bucket_mb * 2**20),
-            mode=self.mode,
+            mode=self.mode if live or self.mode is not EAGER else ALONE,
         )
-        # Track varying axes only where an axis beyond the data axes can make values differ.
-        live = {a for a, n in mesh.shape.items() if n > 1}
         state = _vma.Tracking(mesh, axes) if live - set(axes) else None
         typed_problem = None
         with entered(ctx), _vma.tracking(state), self._tracker(state, leaves, specs):
