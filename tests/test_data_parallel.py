@@ -105,11 +105,35 @@ def test_donation_updates_in_place(run):
         assert not any(changed[n_params : n_params + n_buffers])  # buffers were not donated
 
 
-def test_donation_gives_the_same_numbers(run):
-    plain = run(2, helpers.train_pardist, "mlp", "adamw")
-    donated = run(2, helpers.train_pardist, "mlp", "adamw", donate=True)
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_donation_gives_the_same_numbers(run, opt):
+    plain = run(2, helpers.train_pardist, "mlp", opt)
+    donated = run(2, helpers.train_pardist, "mlp", opt, donate=True)
     for k in plain[0][0]:
         assert torch.equal(plain[0][0][k], donated[0][0][k])
+
+
+def _sgd_trees(momentum: float):
+    """Whether a donated SGD step hands back the given trees (its second step: torch
+    makes the momentum buffers on the first)."""
+    params = {"w": torch.ones(4, 3), "b": torch.zeros(4)}
+    opt = pardist.optim.sgd(0.1, momentum=momentum)
+    x = torch.ones(2, 3)
+
+    @pardist.data_parallel(donate_argnums=(0, 1))
+    def step(p, s, x):
+        g = pardist.grad(lambda p, x: (x @ p["w"].T + p["b"]).square().mean())(p, x)
+        return opt.update(g, s, p)
+
+    params, state = step(params, opt.init(params), x)
+    new, new_state = step(params, state, x)
+    return new is params, new_state.momentum_buffer is state.momentum_buffer
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_donated_sgd_hands_back_the_given_trees(run, momentum):
+    for trees in run(2, _sgd_trees, momentum):
+        assert trees == (True, True)
 
 
 def _donated_reuse():

@@ -76,7 +76,8 @@ def sgd(
     checked = Checked()  # the checks' answers, kept for one signature of the tensors
 
     def update_fn(grads, state, params):
-        old = None if not momentum else _tree.tree_leaves(state.momentum_buffer)
+        kept = _tree.tree_flatten(state.momentum_buffer) if momentum else (None, None)
+        old = kept[0]
         g, p, treedef, answers = checked.aligned(grads, params, [old], "pardist.optim.sgd.update")
         traced = torch.compiler.is_compiling()
         # Compiled, the count is no Python int; with dampening 0 the general momentum
@@ -116,10 +117,13 @@ def sgd(
                 new.copy_(torch.where(start, old_, new))
         else:
             run(p, buffers)
+        count = next_count(state.count, in_place)
+        if in_place and (
+            not momentum or (not first and (kept[1] is treedef or kept[1] == treedef))
+        ):
+            # Written in place: the given trees hold the new values (no rebuilt containers)
+            return params, SGDState(count, state.momentum_buffer)
         new_buffers = _tree.tree_unflatten(buffers, treedef) if momentum else None
-        return (
-            _tree.tree_unflatten(p, treedef),
-            SGDState(next_count(state.count, in_place), new_buffers),
-        )
+        return _tree.tree_unflatten(p, treedef), SGDState(count, new_buffers)
 
     return Optimizer(init_fn, on_shards(update_fn, "pardist.optim.sgd.update"), lr)
