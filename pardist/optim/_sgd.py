@@ -76,8 +76,7 @@ def sgd(
     checked = Checked()  # the checks' answers, kept for one signature of the tensors
 
     def update_fn(grads, state, params):
-        kept = _tree.tree_flatten(state.momentum_buffer) if momentum else (None, None)
-        old = kept[0]
+        old, old_def = _tree.tree_flatten(state.momentum_buffer) if momentum else (None, None)
         g, p, treedef, answers = checked.aligned(grads, params, [old], "pardist.optim.sgd.update")
         traced = torch.compiler.is_compiling()
         # Compiled, the count is no Python int; with dampening 0 the general momentum
@@ -119,7 +118,7 @@ def sgd(
             run(p, buffers)
         count = next_count(state.count, in_place)
         if in_place and (
-            not momentum or (not first and (kept[1] is treedef or kept[1] == treedef))
+            not momentum or (not first and (old_def is treedef or old_def == treedef))
         ):
             # Written in place: the given trees hold the new values (no rebuilt containers)
             return params, SGDState(count, state.momentum_buffer)

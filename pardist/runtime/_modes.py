@@ -32,6 +32,7 @@ class Mode:
     """One way a step runs. ``rules``: operation name -> ``rule(mode, *args)``."""
 
     name = "mode"
+    alone = False  # one process: nothing is reduced and no value varies (see Alone)
     rules: dict[str, Callable] = {}
     _own: frozenset = frozenset()  # the operations this class registered itself
 
@@ -72,7 +73,6 @@ class Eager(Mode):
     groups = 0  # row groups of the deterministic mode (0: not deterministic)
     plan = None
     counts_tokens = True  # pardist.grad(mean='tokens') is supported
-    alone = False  # one process: nothing is reduced and no value varies (see Alone)
 
 
 class Alone(Eager):
@@ -103,7 +103,6 @@ class Compiled(Mode):
     name = "compiled"
     groups = 0
     counts_tokens = False
-    alone = False
 
     def __init__(self, plan: Any):
         self.plan = plan
