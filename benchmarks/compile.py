@@ -13,7 +13,11 @@ call (tracing and compiling included; caches off, so it is what a first run pays
                       mean and update in one graph; collectives through shared
                       memory (CPU ranks of one host), called from the graph
     pardist_compiled_gloo  the same graph with torch's functional collectives over
-                      gloo instead (what runs where shared memory cannot)
+                      gloo instead (what runs where shared memory cannot, and what
+                      nccl runs on GPUs): each bucket's all-reduce issued during the
+                      backward and waited for where the update reads it
+    pardist_compiled_gloo_in_order  that graph without the overlap scheduling
+                      (inductor's own order: each bucket waited for where it is issued)
     pardist_loss_compiled  the eager step, its loss function given to pardist.grad as
                       torch.compile(loss_fn, dynamic=False): forward and backward
                       compiled as torch.compile(model) compiles them (AOTAutograd's
@@ -48,6 +52,9 @@ from torch.optim.sgd import sgd as torch_sgd
 from vs_ddp import MODELS, interleaved_ms, pardist_step, sync
 
 import pardist
+
+# The gloo graph as inductor orders it by itself: each bucket waited for where it is issued.
+IN_ORDER = {"reorder_for_compute_comm_overlap": False}
 
 
 def _first_call(fn) -> float:
@@ -107,15 +114,17 @@ def variants(name: str, world: int) -> tuple[dict, dict]:
 
         return step
 
-    for label in ("pardist", "pardist_compiled", "pardist_compiled_gloo", "pardist_loss_compiled"):
+    labels = ("pardist", "pardist_compiled", "pardist_compiled_gloo", "pardist_loss_compiled")
+    for label in labels + ("pardist_compiled_gloo_in_order",):
         torch.manual_seed(0)
-        whole = label in ("pardist_compiled", "pardist_compiled_gloo")
+        whole = label.startswith("pardist_compiled")
+        compile = {"options": IN_ORDER} if label.endswith("_in_order") else whole
         run = pardist_step(
-            make().to(device), x, y, compile=whole, compile_loss=label == "pardist_loss_compiled"
+            make().to(device), x, y, compile=compile, compile_loss=label == "pardist_loss_compiled"
         )
         if label == "pardist_loss_compiled":
             first[label] = _first_call(run)
-        elif label == "pardist_compiled_gloo":
+        elif label.startswith("pardist_compiled_gloo"):
             os.environ["PARDIST_SHM"] = "0"  # read when the step is planned, on its first call
             first[label] = _first_call(run)
             del os.environ["PARDIST_SHM"]
@@ -166,13 +175,15 @@ def ratio(r: dict, a: str, b: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (
-        "| model | ranks | pardist | pardist compiled | compiled, gloo | pardist, loss compiled "
+        "| model | ranks | pardist | pardist compiled | compiled, gloo | gloo, in order "
+        "| pardist, loss compiled "
         "| DDP | DDP + compile | torch | torch.compile | torch, func step compiled "
-        "| compiled/eager | compiled/DDP+compile | compiled/torch.compile "
+        "| compiled/eager | compiled/DDP+compile | gloo: overlap/in order, /DDP+compile "
+        "| compiled/torch.compile "
         "| compiled/torch func step | loss compiled/torch.compile "
         "| loss compiled/DDP+compile | compile s: pardist / DDP / torch |"
     )
-    lines = [head, "|" + "---|" * 18]
+    lines = [head, "|" + "---|" * 20]
     for r in rows:
         cell = lambda k, r=r: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
         compiled = ("pardist_compiled", "ddp_compiled", "torch_compiled")
@@ -181,11 +192,14 @@ def table(rows: list[dict]) -> str:
         )
         lines.append(
             f"| {r['model']} | {r['ranks']} | {cell('pardist')} | {cell('pardist_compiled')} "
-            f"| {cell('pardist_compiled_gloo')} | {cell('pardist_loss_compiled')} "
+            f"| {cell('pardist_compiled_gloo')} | {cell('pardist_compiled_gloo_in_order')} "
+            f"| {cell('pardist_loss_compiled')} "
             f"| {cell('ddp')} | {cell('ddp_compiled')} "
             f"| {cell('torch')} | {cell('torch_compiled')} | {cell('torch_func_compiled')} "
             f"| {ratio(r, 'pardist_compiled', 'pardist')} "
             f"| {ratio(r, 'pardist_compiled', 'ddp_compiled')} "
+            f"| {ratio(r, 'pardist_compiled_gloo', 'pardist_compiled_gloo_in_order')}, "
+            f"{ratio(r, 'pardist_compiled_gloo', 'ddp_compiled')} "
             f"| {ratio(r, 'pardist_compiled', 'torch_compiled')} "
             f"| {ratio(r, 'pardist_compiled', 'torch_func_compiled')} "
             f"| {ratio(r, 'pardist_loss_compiled', 'torch_compiled')} "

@@ -110,7 +110,7 @@ def floor_step(net: nn.Module, x, y):
             module._parameters[attr] = leaf
         grads = torch.autograd.grad(F.mse_loss(net(x), y), leaves)
         count[0] += 1
-        steps = [torch.full((), float(count[0]))] * len(leaves)
+        steps = [torch.full((), float(count[0]), device=x.device)] * len(leaves)
         p = list(params.values())
         torch._fused_adamw_(p, list(grads), *state, [], steps, lr=1e-3, beta1=0.9,
                             beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,

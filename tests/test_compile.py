@@ -125,18 +125,52 @@ def _wide_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 8, generator=g, dtype=F64), torch.randn(6, 800, generator=g, dtype=F64)
 
 
-def _wide_grads():
-    counter = _Counter("aot_eager")
+def _wide_step(compile):  # noqa: A002
+    """The wide net's loss and mean gradients on this rank's rows, one step."""
+    _fresh_dynamo()
     apply, params, buffers = pardist.functional(_wide_net().to(F64))
 
     def step(params, batch):
         x, y = batch
         return pardist.value_and_grad(lambda p: F.mse_loss(apply(p, buffers, x)[0], y))(params)
 
-    step = pardist.data_parallel(step, compile={"backend": counter})
+    step = pardist.data_parallel(step, compile=compile)
     rank, world = pardist.rank(), pardist.world_size()
-    batch = tuple(helpers.shard(t, rank, world) for t in _wide_batch())
-    return step(params, batch), _collectives_in(counter.graphs)
+    return step(params, tuple(helpers.shard(t, rank, world) for t in _wide_batch()))
+
+
+def _wide_grads():
+    counter = _Counter("aot_eager")
+    return _wide_step({"backend": counter}), _collectives_in(counter.graphs)
+
+
+def _wide_overlap():
+    """The wide net compiled by inductor over functional collectives: with pardist's
+    overlap scheduling (the order of inductor's scheduled kernels recorded: C a
+    collective, W a wait, M a matrix product), without it, and eagerly."""
+    from torch._inductor import comms
+
+    from pardist.compile import _step
+
+    order: list[str] = []
+
+    def record(nodes):
+        kinds = [(comms.contains_collective, "C"), (comms.contains_wait, "W")]
+        kinds.append((comms.contains_gemm_like, "M"))
+        order.extend(next((k for test, k in kinds if test(n)), ".") for n in nodes)
+        return nodes
+
+    default = _step.overlap_options
+    passes = default()["reorder_for_compute_comm_overlap_passes"]
+    recorded = {**default(), "reorder_for_compute_comm_overlap_passes": [*passes, record]}
+    _step.overlap_options = lambda: recorded
+    try:  # (no cache: the recording pass is no key a cache can pickle)
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            overlapped = _wide_step(True)
+    finally:
+        _step.overlap_options = default
+    in_order = _wide_step({"options": {"reorder_for_compute_comm_overlap": False}})
+    return "".join(order), overlapped, in_order, _wide_step(False)
 
 
 def test_a_large_bucket_is_divided_into_shared_memory_inside_the_graph(run):
@@ -150,6 +184,28 @@ def test_a_large_bucket_is_divided_into_shared_memory_inside_the_graph(run):
         assert collectives["shm_sum_bucket"] >= 1
         assert_close64(grads, want, "gradients")
         assert_close64(float(value), float(loss), "loss")
+
+
+def test_buckets_over_gloo_overlap_the_backward_with_the_same_bits(run):
+    """Over torch's functional collectives (gloo here, nccl on GPUs) the graph issues its
+    first bucket's all-reduce while the backward still has matrix products to run and
+    waits for it after them, as DDP's hooks overlap; the order of the kernels changes,
+    not their arithmetic."""
+    net = _wide_net().to(F64)
+    x, y = _wide_batch()
+    loss = F.mse_loss(net(x), y)  # one process, the whole batch: the reference
+    want = dict(zip(dict(net.named_parameters()), torch.autograd.grad(loss, net.parameters())))
+    env = {"PARDIST_SHM": "0"}
+    for order, overlapped, in_order, eager in run(2, _wide_overlap, env=env, timeout=LIMIT):
+        # Two buckets (the last layer's 4.5 MB, then the first layer's); the first is
+        # issued after the last layer's weight gradient, with two products still to run.
+        assert order.count("C") == 2 and order.count("W") == 2, order
+        assert "M" in order[order.index("C") : order.index("W")], order
+        for k in want:
+            assert torch.equal(overlapped[1][k], in_order[1][k]), k
+        assert torch.equal(overlapped[0], in_order[0])
+        assert_close64(overlapped[1], eager[1], "gradients against the eager step")
+        assert_close64(overlapped[1], want, "gradients against one process")
 
 
 @pytest.mark.parametrize("sync_bn", [True, False], ids=["sync_bn", "per_rank_bn"])

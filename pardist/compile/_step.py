@@ -23,6 +23,7 @@ never mix compiled and eager collectives.
 from __future__ import annotations
 
 import functools
+import importlib
 import types
 import warnings
 from typing import Any
@@ -49,6 +50,30 @@ __all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step", "outer_
 
 EAGER = object()  # returned when the step must run eagerly
 _OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options")
+
+
+def overlap_options() -> dict:
+    """Inductor's scheduling for a graph whose gradient buckets are async collectives.
+
+    Where the graph reduces over torch's functional collectives (nccl, or gloo without
+    shared memory), each bucket's all-reduce is issued as soon as the backward has
+    produced its gradients, the backward's remaining kernels are ordered to run while
+    it travels (``raise_comms``, ``reorder_compute_for_overlap``), and its wait moves to
+    where the update first reads the sums (``sink_waits``): the overlap torch's DDP
+    gets from its hooks. These passes run after inductor has fused its kernels, so
+    they change the order of the same kernels, never their arithmetic. Graphs without
+    such collectives (shared memory's operators, one rank) are left as they were.
+    A pass this torch does not have is left out; the user's ``options`` win.
+    """
+    comms = importlib.import_module("torch._inductor.comms")
+    passes = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
+    passes = [p for p in passes if callable(getattr(comms, p, None))]
+    if not passes:
+        return {}
+    return {
+        "reorder_for_compute_comm_overlap": True,
+        "reorder_for_compute_comm_overlap_passes": passes,
+    }
 
 
 def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
@@ -139,10 +164,13 @@ class _Backend:
 
     def __init__(self, backend: Any, mode: Any, options: Any, dynamic: Any):
         if backend == "inductor":
-            backend = TorchCompileInductorWrapper(mode, options, dynamic)
-        elif isinstance(backend, str):
-            backend = dynamo.lookup_backend(backend)
-        self.inner = backend
+            self.inner = TorchCompileInductorWrapper(mode, options, dynamic)
+            # The same compiler, scheduling a graph's async collectives beside its backward.
+            overlap = {**overlap_options(), **(options or {})}
+            self.overlapping = TorchCompileInductorWrapper(mode, overlap, dynamic)
+        else:
+            self.inner = dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+            self.overlapping = self.inner
         self.agreeing = False  # during a step's first call
         self.verdict: str | None = None  # set once the ranks have agreed
         self.graphs = 0
@@ -151,7 +179,8 @@ class _Backend:
         self.graphs += 1
         try:
             _no_checkpoints(gm)
-            compiled, problem = self.inner(gm, example_inputs), None
+            inner = self.overlapping if _async_collectives(gm) else self.inner
+            compiled, problem = inner(gm, example_inputs), None
         except dynamo.exc.RestartAnalysis:
             raise  # dynamo traces again and calls back: nothing to agree on yet
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
@@ -163,6 +192,11 @@ class _Backend:
         if problem:
             raise error
         return compiled
+
+
+def _async_collectives(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph issues torch's functional collectives (which run beside it)."""
+    return any("_c10d_functional." in str(n.target) for n in gm.graph.nodes)
 
 
 def _no_checkpoints(gm: torch.fx.GraphModule) -> None:
