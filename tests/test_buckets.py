@@ -266,7 +266,9 @@ def _bucket_sums(numels):
     xs = [torch.randn(n, generator=g, dtype=F32) for n in numels]
     divisors = [float(world), 1.0, 7.0][: len(xs)]
     group = dist.group.WORLD.group_name
-    return xs, divisors, torch.ops.pardist.shm_sum_bucket(xs, group, divisors)
+    sums = [x.clone() for x in xs]
+    torch.ops.pardist.shm_sum_bucket(sums, group, divisors)  # written over its tensors
+    return xs, divisors, sums
 
 
 @pytest.mark.parametrize("numels", [(5, 300, 17), (700_000, 600_000, 3)], ids=["small", "arena"])

@@ -208,6 +208,52 @@ def test_buckets_over_gloo_overlap_the_backward_with_the_same_bits(run):
         assert_close64(overlapped[1], want, "gradients against one process")
 
 
+def _tied_loss(p, x, z):
+    """``p + q``: autograd hands both parameters one gradient tensor (this rank's z[0])."""
+    return (x @ p["w"]).pow(2).mean() + ((p["p"] + p["q"]) * z[0]).sum()
+
+
+def _untied_loss(p, x, z):
+    """The same gradients, bit for bit, in two tensors."""
+    return (x @ p["w"]).pow(2).mean() + (p["p"] * z[0]).sum() + (p["q"] * z[0]).sum()
+
+
+def _tied_params() -> dict:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (600, 600), "p": (400, 500), "q": (400, 500)}  # 2.9, 1.6, 1.6 MB
+    return {k: torch.randn(*s, generator=g, dtype=F64) for k, s in shapes.items()}
+
+
+def _tied_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, 600, generator=g, dtype=F64), torch.randn(6, 500, generator=g, dtype=F64)
+
+
+def _tied_grads(loss, compile=True):  # noqa: A002
+    _fresh_dynamo()
+    step = pardist.data_parallel(lambda p, b: pardist.grad(loss)(p, *b), compile=compile)
+    rank, world = pardist.rank(), pardist.world_size()
+    return step(_tied_params(), tuple(helpers.shard(t, rank, world) for t in _tied_batch()))
+
+
+def _tied_and_untied():
+    return _tied_grads(_tied_loss), _tied_grads(_untied_loss), _tied_grads(_tied_loss, False)
+
+
+def test_two_parameters_given_one_gradient_are_each_reduced_once(run):
+    """The graph writes each sum back over its gradient. Where two parameters share one
+    gradient tensor (here in different buckets), a sum written before the other is read
+    would be averaged twice: at 3 ranks, a rounding off the same gradients held apart."""
+    x, z = _tied_batch()
+    want = torch.func.grad(lambda p: (x @ p["w"]).pow(2).mean())(_tied_params())
+    want["p"] = want["q"] = z[::2].mean(0).expand(400, 500)  # the ranks' z[0], averaged
+    for tied, untied, eager in run(3, _tied_and_untied, timeout=LIMIT):
+        for k in tied:
+            assert torch.equal(tied[k], untied[k]), k
+        assert_close64(tied, eager, "gradients against the eager step")
+        assert_close64(tied, want, "gradients against one process")
+
+
 @pytest.mark.parametrize("sync_bn", [True, False], ids=["sync_bn", "per_rank_bn"])
 def test_a_compiled_loss_in_an_eager_step_has_the_eager_numbers(run, world1, sync_bn):
     """The other way to compile (docs/compile.md): pardist.grad(torch.compile(loss_fn)),

@@ -23,7 +23,6 @@ never mix compiled and eager collectives.
 from __future__ import annotations
 
 import functools
-import importlib
 import types
 import warnings
 from typing import Any
@@ -65,7 +64,8 @@ def overlap_options() -> dict:
     such collectives (shared memory's operators, one rank) are left as they were.
     A pass this torch does not have is left out; the user's ``options`` win.
     """
-    comms = importlib.import_module("torch._inductor.comms")
+    from torch._inductor import comms  # (imported when a step compiles, not with pardist)
+
     passes = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
     passes = [p for p in passes if callable(getattr(comms, p, None))]
     if not passes:

@@ -14,9 +14,10 @@ transposes as graph nodes. torch's own autograd formulas for functional collecti
 Gradients are averaged in flat buckets the graph can see (reverse parameter order,
 ~25 MB, the first ~1 MB, one dtype each): one concatenation per bucket, one
 all-reduce (or reduce-scatter, for a sharded optimizer) and views back, with the
-same layout and arithmetic as the eager reducer. Between CPU ranks of one host a
-bucket is one operator instead (``pardist::shm_sum_bucket``), which divides each
-gradient straight into shared memory, as the eager reducer's hooks do.
+same layout and arithmetic as the eager reducer. Between CPU ranks of one host all
+the gradients of a dtype are one operator instead (``pardist::shm_sum_bucket``), which
+divides each straight into shared memory, as the eager reducer's hooks do, and writes
+each sum back over its gradient.
 
 Axes are looked up in the step's :class:`~pardist.compile._plan.Plan`, which holds
 group names and sizes as plain constants (nothing a compiler must guard on
@@ -176,9 +177,10 @@ def axis_size(axis: Any, plan: Any) -> int:
     return axis_info(plan, axis, "axis_size").size
 
 
-def _buckets(like: list[torch.Tensor], plan: Any) -> list[list[int]]:
-    """Indices of ``like`` per bucket: the eager reducer's ``assign``, one row of numel each."""
-    sizes = plan.bucket_bytes, plan.first_bucket_bytes
+def _buckets(like: list[torch.Tensor], plan: Any, whole: bool = False) -> list[list[int]]:
+    """Indices of ``like`` per bucket: the eager reducer's ``assign``, one row of numel each
+    (``whole``: one bucket per dtype)."""
+    sizes = (plan.bucket_bytes, plan.first_bucket_bytes) if not whole else (2**62, 2**62)
     buckets, _ = assign(like, torch.Tensor.numel, 1, None, *sizes)
     return [b.slots for b in buckets]
 
@@ -192,12 +194,25 @@ def _bucket_sum(bucket: list[torch.Tensor], by: list[float], plan: Any) -> list[
     """Each tensor of one bucket divided by its divisor and summed over the step's axis."""
     info = plan.axes[plan.axis_key]
     comm = _comm_dtype(plan, bucket[0].dtype)
-    if comm is None and info.shm == (True,) and not any(t.requires_grad for t in bucket):
-        # One shared-memory group, nothing to differentiate: divided straight into it.
-        return list(torch.ops.pardist.shm_sum_bucket(bucket, info.groups[0], by))
     flat = torch.cat([(t if d == 1 else t / d).reshape(-1) for t, d in zip(bucket, by)])
     reduced = _psum(flat if comm is None else flat.to(comm), info).to(flat.dtype)
     return [p.view(t.shape) for p, t in zip(reduced.split([t.numel() for t in bucket]), bucket)]
+
+
+def _shared_sum(tensors: list[torch.Tensor], by: list[float], plan: Any) -> list[torch.Tensor]:
+    """All of ``tensors`` (one dtype) divided and summed in one shared-memory operator,
+    which writes each quotient straight into shared memory and each sum back over its
+    tensor: the gradients, which the graph has no other use for, so inductor gives the
+    sums their memory instead of allocating as much again (on a CPU, 100 MB of fresh
+    memory costs page faults, several times the copy). One operator, not one per
+    bucket: it reads every gradient before it writes any sum, so two parameters given
+    one gradient tensor (``w + delta``) are each reduced once. (A synchronous operator
+    run by the rank's own thread gains nothing from buckets.) A broadcast gradient
+    (one memory location for many elements) is made dense first."""
+    tensors = [t.contiguous() if 0 in t.stride() and t.numel() > 1 else t for t in tensors]
+    info = plan.axes[plan.axis_key]
+    torch.ops.pardist.shm_sum_bucket(tensors, info.groups[0], by)
+    return tensors
 
 
 def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = None) -> list:
@@ -205,13 +220,19 @@ def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = 
     flat buckets.
 
     Every contribution is divided before the sum, as the eager reducer writes it
-    into its bucket, so the result is the mean with the same rounding.
+    into its bucket, so the result is the mean with the same rounding. Between CPU
+    ranks of one host (one shared-memory group, no compression, nothing to
+    differentiate) the sums are one operator per dtype (:func:`_shared_sum`).
     """
     divisors = [1.0] * len(tensors) if divisors is None else divisors
+    info = plan.axes[plan.axis_key]
+    shared = info.shm == (True,) and plan.compression is None
+    shared = shared and not any(t.requires_grad for t in tensors)
     out: list = [None] * len(tensors)
-    for index in _buckets(tensors, plan):
-        by = [float(divisors[i]) for i in index]
-        for i, s in zip(index, _bucket_sum([tensors[i] for i in index], by, plan)):
+    for index in _buckets(tensors, plan, whole=shared):
+        ts, by = [tensors[i] for i in index], [float(divisors[i]) for i in index]
+        sums = _shared_sum(ts, by, plan) if shared else _bucket_sum(ts, by, plan)
+        for i, s in zip(index, sums):
             out[i] = s
     return out
 
