@@ -6,8 +6,9 @@ here is a ``torch.library.custom_op`` with a fake implementation for tracing,
 which inductor runs as one opaque kernel. They are functional (a new tensor
 comes back; nothing passed in is written) but for ``shm_sum_bucket``, which writes
 the sums over the gradients it is given (declared, so the graph accounts for it);
-all are synchronous and identical on every rank, like the eager transport. Shared memory is about 0.6x gloo's time for a
-CPU all-reduce between ranks of one host, inside graphs as outside.
+all are synchronous and identical on every rank, like the eager transport. Shared
+memory is about 0.6x gloo's time for a CPU all-reduce between ranks of one host,
+inside graphs as outside.
 
 ``pardist::schedule`` evaluates a learning-rate schedule (a Python function of
 the step count) into a float64 scalar at run time, so that a compiled optimizer
