@@ -42,6 +42,7 @@ from pardist.runtime import (
     checkpoint_op,
     dynamo,
     enable_saved_tensors_hooks,
+    inductor_overlap_passes,
     saved_tensors_hooks_enabled,
 )
 
@@ -64,10 +65,7 @@ def overlap_options() -> dict:
     such collectives (shared memory's operators, one rank) are left as they were.
     A pass this torch does not have is left out; the user's ``options`` win.
     """
-    from torch._inductor import comms  # (imported when a step compiles, not with pardist)
-
-    passes = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
-    passes = [p for p in passes if callable(getattr(comms, p, None))]
+    passes = inductor_overlap_passes(("sink_waits", "raise_comms", "reorder_compute_for_overlap"))
     if not passes:
         return {}
     return {

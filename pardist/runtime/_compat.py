@@ -50,6 +50,7 @@ __all__ = [
     "foreach_norm",
     "funcol",
     "functorch",
+    "inductor_overlap_passes",
     "fused_adam_",
     "fused_adamw_",
     "fused_kernel_devices",
@@ -98,6 +99,16 @@ assert_async = torch._assert_async
 # torch._TorchCompileInductorWrapper: the backend torch.compile builds for inductor from
 # (mode, options, dynamic), so compile=True accepts torch.compile's arguments; since 2.0.
 TorchCompileInductorWrapper = torch._TorchCompileInductorWrapper
+
+
+def inductor_overlap_passes(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that this torch's inductor has as compute/communication overlap
+    passes: torch._inductor.comms, named in ``reorder_for_compute_comm_overlap_passes``
+    (sink_waits, raise_comms, reorder_compute_for_overlap since 2.2). Imported when a
+    step compiles, not with pardist."""
+    from torch._inductor import comms
+
+    return [n for n in names if callable(getattr(comms, n, None))]
 
 
 def fused_kernel_devices() -> tuple[str, ...]:
