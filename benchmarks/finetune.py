@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from vs_ddp import sync
 
 import pardist
 
@@ -106,11 +107,6 @@ def pardist_loop(args):
         return loss
 
     return step, lambda: state["all"][0]
-
-
-def sync():
-    if pardist.device().type == "cuda":
-        torch.cuda.synchronize()
 
 
 def rel_l2(a: dict, b: dict, start: dict) -> float:
