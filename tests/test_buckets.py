@@ -9,6 +9,7 @@ dtype and device per bucket, a small first bucket so communication starts early)
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -257,9 +258,14 @@ def test_the_choice_of_reduction():
     assert not choose(ctx(2), rep, 2).late  # micro-batches: during the first backward
 
 
-def _bucket_sums(numels):
-    """The compiled step's bucket operator, called eagerly: this rank's tensors and sums."""
+def _bucket_sums(numels, room: bool):
+    """The compiled step's bucket operators, called eagerly on two buckets (both started,
+    then both waited for): this rank's tensors and sums. Without ``room`` in /dev/shm
+    for the buckets' regions, they are summed through the smaller shared transport."""
     import torch.distributed as dist
+
+    from pardist.compile import _beside, _ops
+    from pardist.transport import _segments, _shmgroups
 
     rank, world = pardist.rank(), pardist.world_size()
     g = torch.Generator().manual_seed(rank)
@@ -267,17 +273,38 @@ def _bucket_sums(numels):
     divisors = [float(world), 1.0, 7.0][: len(xs)]
     group = dist.group.WORLD.group_name
     sums = [x.clone() for x in xs]
-    torch.ops.pardist.shm_sum_bucket(sums, group, divisors)  # written over its tensors
-    return xs, divisors, sums
+    mapped, key = _segments.map_shared, f"{group} beside"
+    _ops._arenas.pop(key, None)
+    caches = (_ops._arenas, _shmgroups._collective_groups)
+    saved = [dict(cache) for cache in caches]
+    if not room:
+        _segments.map_shared = lambda *args: None
+    try:  # written over its tensors
+        _beside.sum_buckets(sums, [[0, 1], [2]], divisors, group)
+        arena = _ops._arenas.get(key)
+    finally:  # what no room left behind is not the next test's
+        _segments.map_shared = mapped
+        for cache, before in zip(caches, saved):
+            cache.clear()
+            cache.update(before)
+    helper = any(t.name == "pardist-shm-sum" for t in threading.enumerate())
+    return xs, divisors, sums, arena is not None, helper
 
 
-@pytest.mark.parametrize("numels", [(5, 300, 17), (700_000, 600_000, 3)], ids=["small", "arena"])
-def test_the_compiled_bucket_sum_divides_then_sums(run, numels):
-    # The second case (5.2 MB) exceeds the shared collective region: it takes the arena,
-    # where each quotient is written straight into the rank's region.
+@pytest.mark.parametrize("helper", ["1", "0"], ids=["helper", "own_thread"])
+@pytest.mark.parametrize("room", [True, False], ids=["arena", "no_room"])
+@pytest.mark.parametrize("numels", [(5, 300, 17), (700_000, 600_000, 3)], ids=["small", "large"])
+def test_the_compiled_bucket_sum_divides_then_sums(run, numels, room, helper):
+    # Each quotient is written straight into the rank's region of the arena, and summed
+    # there by the rank's helper thread (or its own); with no room, by shared memory's
+    # smaller region (small) or gloo (large), on the rank's own thread.
     import pardist.compile  # noqa: F401  (registers torch.ops.pardist)
 
-    (a, divisors, sums_a), (b, _, sums_b) = run(2, _bucket_sums, numels)
+    env = {"PARDIST_SHM_HELPER": helper}
+    results = run(2, _bucket_sums, numels, room, env=env)
+    (a, divisors, sums_a, arena, helped), (b, _, sums_b, _, _) = results
+    assert arena == room
+    assert helped == (helper == "1") or not room  # (no room: summed by the rank's thread)
     # Each quotient rounds (divisor 7), then one rounding of the sum: not (a + b) / 7.
     want = [x / d + y / d if d != 1 else x + y for x, y, d in zip(a, b, divisors)]
     for sums in (sums_a, sums_b):

@@ -96,7 +96,7 @@ def test_step_compiles_to_one_graph_with_the_eager_numbers(run, world1, model, o
         assert graphs == 1  # one graph, and the second and third calls did not recompile
         # The gradient mean (a sum per bucket) and sync batch norm's statistics (a
         # psum per layer in the forward, another in the backward) are graph nodes.
-        assert collectives["shm_sum_bucket"] >= 1
+        assert collectives["shm_sum_start"] == collectives["shm_sum_wait"] >= 1
         assert collectives["shm_all_reduce"] >= (4 if model == "convnet" else 0)
     _assert_replicas_identical(results)
     # (float64: a compiled AdamW's bias corrections are computed in float64 too; in
@@ -125,8 +125,8 @@ def _wide_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 8, generator=g, dtype=F64), torch.randn(6, 800, generator=g, dtype=F64)
 
 
-def _wide_step(compile):  # noqa: A002
-    """The wide net's loss and mean gradients on this rank's rows, one step."""
+def _wide_stepper(compile):  # noqa: A002
+    """The wide net's loss and mean gradients on this rank's rows: a step to call."""
     _fresh_dynamo()
     apply, params, buffers = pardist.functional(_wide_net().to(F64))
 
@@ -136,7 +136,13 @@ def _wide_step(compile):  # noqa: A002
 
     step = pardist.data_parallel(step, compile=compile)
     rank, world = pardist.rank(), pardist.world_size()
-    return step(params, tuple(helpers.shard(t, rank, world) for t in _wide_batch()))
+    batch = tuple(helpers.shard(t, rank, world) for t in _wide_batch())
+    return lambda: step(params, batch)
+
+
+def _wide_step(compile):  # noqa: A002
+    """The wide net's loss and mean gradients on this rank's rows, one step."""
+    return _wide_stepper(compile)()
 
 
 def _wide_grads():
@@ -181,7 +187,7 @@ def test_a_large_bucket_is_divided_into_shared_memory_inside_the_graph(run):
     loss = F.mse_loss(net(x), y)  # one process, the whole batch: the reference
     want = dict(zip(dict(net.named_parameters()), torch.autograd.grad(loss, net.parameters())))
     for (value, grads), collectives in run(3, _wide_grads, timeout=LIMIT):
-        assert collectives["shm_sum_bucket"] >= 1
+        assert collectives["shm_sum_start"] == collectives["shm_sum_wait"] >= 1
         assert_close64(grads, want, "gradients")
         assert_close64(float(value), float(loss), "loss")
 
@@ -206,6 +212,56 @@ def test_buckets_over_gloo_overlap_the_backward_with_the_same_bits(run):
         assert torch.equal(overlapped[0], in_order[0])
         assert_close64(overlapped[1], eager[1], "gradients against the eager step")
         assert_close64(overlapped[1], want, "gradients against one process")
+
+
+def _profiled_order(compile) -> tuple[str, tuple, tuple]:  # noqa: A002
+    """The wide net's step, compiled; its second call profiled: the main thread's order of
+    bucket starts (S), matrix products (M) and waits (W), and both calls' results."""
+    step = _wide_stepper(compile)
+    first = step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        again = step()
+    kinds = {"pardist::shm_sum_start": "S", "pardist::shm_sum_wait": "W"}
+    kinds.update({"aten::mm": "M", "aten::addmm": "M"})
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return "".join(kinds[e.name] for e in events if e.name in kinds), first, again
+
+
+def _wide_beside():
+    """The wide net compiled by inductor over shared memory: by default; without
+    inductor's memory pass, which also moves kernels; without that and pardist's pass
+    that issues the starts early; and eagerly."""
+    alone = {"reorder_for_peak_memory": False}
+    in_order = {**alone, "post_grad_custom_post_pass": None}
+    variants = (True, {"options": alone}, {"options": in_order})
+    return [_profiled_order(compile) for compile in variants], _wide_step(False)
+
+
+def test_shared_memory_buckets_are_summed_beside_the_backward_with_the_same_bits(run):
+    """Between CPU ranks of one host the graph starts its first bucket's sum (on the
+    rank's helper thread) while the backward still has matrix products to run, and
+    waits for it after them; the sums are the synchronous transport's, bit for bit."""
+    net = _wide_net().to(F64)
+    x, y = _wide_batch()
+    loss = F.mse_loss(net(x), y)  # one process, the whole batch: the reference
+    want = dict(zip(dict(net.named_parameters()), torch.autograd.grad(loss, net.parameters())))
+    env = {"PARDIST_SHM_HELPER": "1"}  # (this machine's two cores are the ranks' own)
+    for compiled, eager in run(2, _wide_beside, env=env, timeout=LIMIT):
+        # Two buckets (the last layer's 4.5 MB, then the first layer's): both started
+        # before either is waited for, the first with two products still to run (but
+        # in the graph as traced, where the last layer's weight gradient comes last).
+        for order, _, _ in compiled:
+            assert order.count("S") == 2 and order.count("W") == 2, order
+            assert order.rindex("S") < order.index("W"), order
+        default, alone, in_order = (order for order, _, _ in compiled)
+        assert alone.index("S") == 3 and in_order.index("S") == 5, (alone, in_order)
+        assert "M" in default[default.index("S") : default.index("W")], default
+        _, (value, grads), _ = compiled[0]
+        for _, *calls in compiled:  # the same bits, whatever the order, call after call
+            for v, g in calls:
+                assert torch.equal(v, value) and all(torch.equal(g[k], grads[k]) for k in want)
+        assert_close64(grads, eager[1], "gradients against the eager step")
+        assert_close64(grads, want, "gradients against one process")
 
 
 def _tied_loss(p, x, z):

@@ -4,11 +4,10 @@ A compiled step cannot trace pardist's shared-memory transport (it synchronises
 through memory words and futexes), but a graph can *call* it: each collective
 here is a ``torch.library.custom_op`` with a fake implementation for tracing,
 which inductor runs as one opaque kernel. They are functional (a new tensor
-comes back; nothing passed in is written) but for ``shm_sum_bucket``, which writes
-the sums over the gradients it is given (declared, so the graph accounts for it);
-all are synchronous and identical on every rank, like the eager transport. Shared
-memory is about 0.6x gloo's time for a CPU all-reduce between ranks of one host,
-inside graphs as outside.
+comes back; nothing passed in is written), synchronous and identical on every rank,
+like the eager transport (the gradients' sums, which run beside the backward, are
+``_beside``'s). Shared memory is about 0.6x gloo's time for a CPU all-reduce between
+ranks of one host, inside graphs as outside.
 
 ``pardist::schedule`` evaluates a learning-rate schedule (a Python function of
 the step count) into a float64 scalar at run time, so that a compiled optimizer
@@ -36,15 +35,17 @@ def _group(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-def _arena(name: str, nbytes: int) -> _shm.SharedMemoryGroup | None:
+def _arena(name: str, nbytes: int, key: str | None = None) -> _shm.SharedMemoryGroup | None:
     """A region per rank plus a common area of ``nbytes`` each, made collectively on first use.
 
-    Every rank runs the same graph, so every rank reaches the same call first.
+    Every rank runs the same graph, so every rank reaches the same call first. ``key``
+    (default: the group's name) keeps apart arenas that different threads synchronise.
     """
-    arena = _arenas.get(name, False)
+    key = name if key is None else key
+    arena = _arenas.get(key, False)
     if arena is False or (arena is not None and arena.region_bytes < nbytes):
         arena = _shm.SharedMemoryGroup.create(_group(name), nbytes, nbytes)
-        _arenas[name] = arena
+        _arenas[key] = arena
     return arena
 
 
@@ -71,35 +72,6 @@ def shm_all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
 @shm_all_reduce.register_fake
 def _(x, group, op):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("pardist::shm_sum_bucket", mutates_args=("xs",))
-def shm_sum_bucket(xs: list[torch.Tensor], group: str, divisors: list[float]) -> None:
-    """Each of ``xs`` (one dtype) divided by its divisor and summed over ``group``, in place.
-
-    Elementwise ``shm_all_reduce`` of the quotients' concatenation, but each quotient
-    is written straight into this rank's region and each sum read straight out of
-    the common area: no concatenation, no whole-bucket clone (as the eager reducer,
-    whose hooks divide into the shared buckets). The sums go back into ``xs``, the
-    gradients the graph hands over and has no other use for: inductor gives the
-    operator their memory instead of a new bucket's worth (on a CPU, a fresh 100 MB
-    costs page faults, several times the copy).
-    """
-    numel, dtype = sum(x.numel() for x in xs), xs[0].dtype
-    nbytes = numel * dtype.itemsize
-    arena = _arena(group, nbytes) if nbytes > _shmgroups.COLLECTIVE_BYTES else None
-    if arena is None:
-        flat = torch.cat([(x if d == 1 else x / d).reshape(-1) for x, d in zip(xs, divisors)])
-        total = shm_all_reduce(flat, group, "sum")
-    else:
-        offset = 0
-        for x, d in zip(xs, divisors):
-            mine = arena.view(arena.index, offset, x.numel(), dtype).view(x.shape)
-            torch.div(x, d, out=mine) if d != 1 else mine.copy_(x)
-            offset += x.numel() * dtype.itemsize
-        total = arena.reduce_into(0, numel, dtype, 0)
-    for piece, x in zip(total.split([x.numel() for x in xs]), xs):
-        x.copy_(piece.view(x.shape))
 
 
 @torch.library.custom_op("pardist::shm_all_gather", mutates_args=())

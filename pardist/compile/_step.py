@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pardist.compile import _beside
 from pardist.compile._plan import AxisInfo, Plan, make_plan
 from pardist.runtime import (
     CallState,
@@ -162,9 +163,11 @@ class _Backend:
 
     def __init__(self, backend: Any, mode: Any, options: Any, dynamic: Any):
         if backend == "inductor":
-            self.inner = TorchCompileInductorWrapper(mode, options, dynamic)
+            # Shared-memory sums issued as the backward makes their gradients (_beside).
+            early = {"post_grad_custom_post_pass": _beside.issue_early()}
+            self.inner = TorchCompileInductorWrapper(mode, {**early, **(options or {})}, dynamic)
             # The same compiler, scheduling a graph's async collectives beside its backward.
-            overlap = {**overlap_options(), **(options or {})}
+            overlap = {**early, **overlap_options(), **(options or {})}
             self.overlapping = TorchCompileInductorWrapper(mode, overlap, dynamic)
         else:
             self.inner = dynamo.lookup_backend(backend) if isinstance(backend, str) else backend

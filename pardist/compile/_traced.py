@@ -14,10 +14,10 @@ transposes as graph nodes. torch's own autograd formulas for functional collecti
 Gradients are averaged in flat buckets the graph can see (reverse parameter order,
 ~25 MB, the first ~1 MB, one dtype each): one concatenation per bucket, one
 all-reduce (or reduce-scatter, for a sharded optimizer) and views back, with the
-same layout and arithmetic as the eager reducer. Between CPU ranks of one host all
-the gradients of a dtype are one operator instead (``pardist::shm_sum_bucket``), which
-divides each straight into shared memory, as the eager reducer's hooks do, and writes
-each sum back over its gradient.
+same layout and arithmetic as the eager reducer. Between CPU ranks of one host each
+bucket is a start and a wait instead (``_beside``): the start divides each gradient
+straight into shared memory, as the eager reducer's hooks do, and a helper thread sums
+while the backward goes on; the wait writes each sum back over its gradient.
 
 Axes are looked up in the step's :class:`~pardist.compile._plan.Plan`, which holds
 group names and sizes as plain constants (nothing a compiler must guard on
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pardist.compile import _ops  # noqa: F401  (_ops registers torch.ops.pardist)
+from pardist.compile import _beside, _ops  # noqa: F401  (they register torch.ops.pardist)
 from pardist.runtime import _tree, funcol
 from pardist.transport import AllGather, AllGatherInvariant, Pmax, Psum, assign
 
@@ -177,11 +177,11 @@ def axis_size(axis: Any, plan: Any) -> int:
     return axis_info(plan, axis, "axis_size").size
 
 
-def _buckets(like: list[torch.Tensor], plan: Any, whole: bool = False) -> list[list[int]]:
-    """Indices of ``like`` per bucket: the eager reducer's ``assign``, one row of numel each
-    (``whole``: one bucket per dtype)."""
-    sizes = (plan.bucket_bytes, plan.first_bucket_bytes) if not whole else (2**62, 2**62)
-    buckets, _ = assign(like, torch.Tensor.numel, 1, None, *sizes)
+def _buckets(like: list[torch.Tensor], plan: Any) -> list[list[int]]:
+    """Indices of ``like`` per bucket: the eager reducer's ``assign``, one row of numel each."""
+    buckets, _ = assign(
+        like, torch.Tensor.numel, 1, None, plan.bucket_bytes, plan.first_bucket_bytes
+    )
     return [b.slots for b in buckets]
 
 
@@ -199,22 +199,6 @@ def _bucket_sum(bucket: list[torch.Tensor], by: list[float], plan: Any) -> list[
     return [p.view(t.shape) for p, t in zip(reduced.split([t.numel() for t in bucket]), bucket)]
 
 
-def _shared_sum(tensors: list[torch.Tensor], by: list[float], plan: Any) -> list[torch.Tensor]:
-    """All of ``tensors`` (one dtype) divided and summed in one shared-memory operator,
-    which writes each quotient straight into shared memory and each sum back over its
-    tensor: the gradients, which the graph has no other use for, so inductor gives the
-    sums their memory instead of allocating as much again (on a CPU, 100 MB of fresh
-    memory costs page faults, several times the copy). One operator, not one per
-    bucket: it reads every gradient before it writes any sum, so two parameters given
-    one gradient tensor (``w + delta``) are each reduced once. (A synchronous operator
-    run by the rank's own thread gains nothing from buckets.) A broadcast gradient
-    (one memory location for many elements) is made dense first."""
-    tensors = [t.contiguous() if 0 in t.stride() and t.numel() > 1 else t for t in tensors]
-    info = plan.axes[plan.axis_key]
-    torch.ops.pardist.shm_sum_bucket(tensors, info.groups[0], by)
-    return tensors
-
-
 def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = None) -> list:
     """Each tensor divided by its divisor (default 1), summed over the step's axis, in
     flat buckets.
@@ -222,17 +206,21 @@ def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = 
     Every contribution is divided before the sum, as the eager reducer writes it
     into its bucket, so the result is the mean with the same rounding. Between CPU
     ranks of one host (one shared-memory group, no compression, nothing to
-    differentiate) the sums are one operator per dtype (:func:`_shared_sum`).
+    differentiate) each bucket's gradients are divided straight into shared memory and
+    summed beside the backward, the sums written back over them (``_beside``); a
+    broadcast gradient (one memory location for many elements) is made dense first.
     """
     divisors = [1.0] * len(tensors) if divisors is None else divisors
     info = plan.axes[plan.axis_key]
     shared = info.shm == (True,) and plan.compression is None
-    shared = shared and not any(t.requires_grad for t in tensors)
+    if shared and not any(t.requires_grad for t in tensors):
+        dense = [t.contiguous() if 0 in t.stride() and t.numel() > 1 else t for t in tensors]
+        _beside.sum_buckets(dense, _buckets(dense, plan), divisors, info.groups[0])
+        return dense
     out: list = [None] * len(tensors)
-    for index in _buckets(tensors, plan, whole=shared):
-        ts, by = [tensors[i] for i in index], [float(divisors[i]) for i in index]
-        sums = _shared_sum(ts, by, plan) if shared else _bucket_sum(ts, by, plan)
-        for i, s in zip(index, sums):
+    for index in _buckets(tensors, plan):
+        by = [float(divisors[i]) for i in index]
+        for i, s in zip(index, _bucket_sum([tensors[i] for i in index], by, plan)):
             out[i] = s
     return out
 

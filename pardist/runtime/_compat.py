@@ -53,6 +53,7 @@ __all__ = [
     "fused_adam_",
     "fused_adamw_",
     "fused_kernel_devices",
+    "inductor_graph_pass",
     "inductor_overlap_passes",
     "make_wrapper_subclass",
     "matches_machine_hostname",
@@ -109,6 +110,27 @@ def inductor_overlap_passes(names: tuple[str, ...]) -> list[str]:
     from torch._inductor import comms
 
     return [n for n in names if callable(getattr(comms, n, None))]
+
+
+def inductor_graph_pass(fn, files: tuple[str, ...]):
+    """``fn`` (a function of an FX graph) as inductor's ``post_grad_custom_post_pass``:
+    wrapped in torch._inductor.custom_graph_pass.CustomGraphPass (since 2.5) with a uuid
+    hashed from ``files`` (its source), so that compiled graphs stay cacheable; the bare
+    function where this torch lacks the class (inductor then compiles without its cache).
+    Imported when a step compiles, not with pardist."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    except ImportError:
+        return fn
+
+    class _Pass(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            fn(graph)
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files(files)
+
+    return _Pass()
 
 
 def fused_kernel_devices() -> tuple[str, ...]:

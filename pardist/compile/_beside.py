@@ -1,0 +1,221 @@
+"""Shared-memory gradient sums that run beside the backward of a compiled step.
+
+Between CPU ranks of one host a compiled step averages its gradients through shared
+memory, which no compiler can schedule: inductor runs a custom operator where the
+graph calls it. So each bucket is two operators, as torch's functional collectives
+are an issue and a wait:
+
+- ``pardist::shm_sum_start`` divides the bucket's gradients straight into this rank's
+  region of shared memory and hands the sum to the rank's helper thread, which runs
+  the buckets one after another, in the order they were started (the same on every
+  rank: each start takes the one before as an input, so no compiler can reorder them).
+  It returns a ticket. Where the host has no core to spare for each rank's helper (the
+  ranks' torch threads take them all), the start sums on the rank's own thread.
+- ``pardist::shm_sum_wait`` waits for that sum and writes it back over the gradients,
+  memory the graph has no other use for (a fresh 100 MB costs a CPU page faults).
+
+:func:`issue_early`, a pass over the graph after inductor's own, orders the backward so
+that each bucket's gradients are made before the next bucket's, and each start right
+after them (as DDP's buckets fill). The rest of the backward then runs while the
+helper sums, and the waits stay where the update reads the sums (each wait takes the
+last start's ticket: inductor's memory pass would otherwise pull a wait up to its
+start). Every sum is computed as the synchronous transport computes it (rank 0's
+quotient plus rank 1's, ...): the same bits, only sooner.
+
+Every start reads its gradients before any wait writes: two parameters that autograd
+gave one gradient tensor (``w + delta``) are each reduced once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import os
+import queue
+import threading
+
+import torch
+import torch.fx
+
+from pardist.compile import _ops
+from pardist.runtime import _process, inductor_graph_pass
+from pardist.transport import _shm
+
+__all__ = ["issue_early", "sum_buckets"]
+
+_pending: dict[int, concurrent.futures.Future] = {}  # by ticket
+_tickets = itertools.count(1)
+
+
+class _Helper:
+    """One daemon thread running jobs in the order submitted (a daemon: a rank that exits
+    while its helper still waits for a rank that died does not wait on at exit)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="pardist-shm-sum", daemon=True).start()
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fn, args, done = job
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - raised by the wait, on the rank's thread
+                done.set_exception(e)
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.jobs.put((fn, args, done))
+        return done
+
+
+_helper: dict[str, _Helper] = {}
+
+
+def _forget() -> None:
+    _pending.clear()
+    helper = _helper.pop("thread", None)
+    if helper is not None:
+        helper.jobs.put(None)  # ends after the jobs before it
+
+
+_process.on_shutdown(_forget)
+os.register_at_fork(after_in_child=_helper.clear)  # (a forked child has no helper thread)
+
+
+def _helped(ranks: int) -> bool:
+    """Whether each of this host's ``ranks`` has a core for a helper beside its own torch
+    threads; else the sums run on the rank's thread (a helper competing for the cores
+    the backward computes on gains nothing). ``PARDIST_SHM_HELPER``: 1 always, 0 never."""
+    forced = os.environ.get("PARDIST_SHM_HELPER", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ranks * (torch.get_num_threads() + 1) <= (cores or 1)
+
+
+def _run(helped: bool, fn, *args) -> concurrent.futures.Future:
+    """``fn(*args)`` on the helper thread, or now on this one; its future either way.
+    Once a helper runs, every job goes through it (waited for at once where not
+    ``helped``), so that two never use a region at the same time."""
+    if helped and "thread" not in _helper:
+        _helper["thread"] = _Helper()
+    if "thread" in _helper:
+        done = _helper["thread"].submit(fn, *args)
+        if not helped:
+            concurrent.futures.wait([done])
+        return done
+    done = concurrent.futures.Future()
+    done.set_result(fn(*args))
+    return done
+
+
+@torch.library.custom_op("pardist::shm_sum_start", mutates_args=())
+def shm_sum_start(
+    xs: list[torch.Tensor],
+    group: str,
+    divisors: list[float],
+    offset: int,
+    total: int,
+    after: torch.Tensor | None,
+) -> torch.Tensor:
+    """Start summing ``xs`` (one dtype), each divided by its divisor, over ``group``.
+
+    The quotients go to byte ``offset`` of this rank's region (``total`` bytes: every
+    bucket of the step, so buckets in flight never share memory), the sum to the same
+    offset of the common area. ``after``: the previous bucket's ticket (order only).
+    Returns this bucket's ticket, for :func:`shm_sum_wait`.
+    """
+    dtype, numel = xs[0].dtype, sum(x.numel() for x in xs)
+    arena = _ops._arena(group, total, key=f"{group} beside")
+    if arena is None:  # no room in /dev/shm: summed now, through the smaller transport
+        flat = torch.cat([(x if d == 1 else x / d).reshape(-1) for x, d in zip(xs, divisors)])
+        done = _run(False, _ops.shm_all_reduce, flat, group, "sum")
+    else:
+        at = offset
+        for x, d in zip(xs, divisors):
+            mine = arena.view(arena.index, at, x.numel(), dtype).view(x.shape)
+            torch.div(x, d, out=mine) if d != 1 else mine.copy_(x)
+            at += x.numel() * dtype.itemsize
+        done = _run(_helped(arena.size), arena.reduce_into, offset, numel, dtype, offset)
+    ticket = next(_tickets)
+    _pending[ticket] = done
+    return torch.tensor(ticket, dtype=torch.int64)
+
+
+@shm_sum_start.register_fake
+def _(xs, group, divisors, offset, total, after):
+    return torch.empty((), dtype=torch.int64)
+
+
+@torch.library.custom_op("pardist::shm_sum_wait", mutates_args=("xs",))
+def shm_sum_wait(xs: list[torch.Tensor], ticket: torch.Tensor, last: torch.Tensor) -> None:
+    """Wait for the sum that ``ticket`` started and write it over ``xs``, in place.
+
+    ``last``: the step's last ticket (order only: no wait runs before every bucket has
+    started, whatever a compiler reorders). Raises what the helper raised (a rank
+    that timed out, or left the step).
+    """
+    done = _pending.pop(int(ticket))
+    try:
+        total = done.result()
+    except BaseException:
+        _pending.clear()  # the step is lost: its other buckets are not waited for
+        raise
+    for piece, x in zip(total.split([x.numel() for x in xs]), xs):
+        x.copy_(piece.view(x.shape))
+
+
+def sum_buckets(tensors: list, buckets: list[list[int]], divisors: list[float], group: str):
+    """Every bucket of ``tensors`` (indices per bucket, one dtype each) divided and summed
+    over ``group``, written back over them: all started, then all waited for."""
+    offsets, total = [], 0
+    for index in buckets:
+        offsets.append(total)
+        nbytes = sum(tensors[i].numel() * tensors[i].element_size() for i in index)
+        total += -(-nbytes // _shm.ALIGN) * _shm.ALIGN
+    tickets, ticket = [], None
+    for index, offset in zip(buckets, offsets):
+        by = [float(divisors[i]) for i in index]
+        xs = [tensors[i] for i in index]
+        ticket = torch.ops.pardist.shm_sum_start(xs, group, by, offset, total, ticket)
+        tickets.append(ticket)
+    for index, ticket in zip(buckets, tickets):
+        torch.ops.pardist.shm_sum_wait([tensors[i] for i in index], ticket, tickets[-1])
+
+
+def _issue_early(graph: torch.fx.Graph) -> None:
+    """Order the graph so that each ``shm_sum_start`` runs as soon as it can: first what
+    the first start needs and that start, then what the second needs and it, and so on,
+    then the rest; in the graph's own order within each part (a topological order still,
+    and the same on every rank). The backward then makes each bucket's gradients before
+    it computes the next bucket's, as DDP's buckets fill, however the graph was traced."""
+    start = torch.ops.pardist.shm_sum_start.default
+    nodes = list(graph.nodes)
+    starts = [n for n in nodes if n.target is start]
+    if not starts:
+        return
+    position = {n: i for i, n in enumerate(nodes)}
+    placed: set = set()
+    order: list = []
+    for node in starts:
+        needed, todo = [], [node]
+        while todo:
+            n = todo.pop()
+            if n not in placed:
+                placed.add(n)
+                needed.append(n)
+                todo.extend(n.all_input_nodes)
+        order.extend(sorted(needed, key=position.__getitem__))
+    order.extend(n for n in nodes if n not in placed)
+    anchor = nodes[-1]  # the output; placeholders stay first
+    for n in reversed(order):
+        if n.op not in ("placeholder", "output"):
+            if n.next is not anchor:
+                anchor.prepend(n)
+            anchor = n
+
+
+def issue_early():
+    """:func:`_issue_early` as inductor's ``post_grad_custom_post_pass`` (cacheable)."""
+    return inductor_graph_pass(_issue_early, (__file__,))
