@@ -264,6 +264,42 @@ def test_shared_memory_buckets_are_summed_beside_the_backward_with_the_same_bits
         assert_close64(grads, want, "gradients against one process")
 
 
+def _two_grads(compile):  # noqa: A002
+    """Two pardist.grad calls in one step (a GAN's two players), two buckets each."""
+    _fresh_dynamo()
+    g = torch.Generator().manual_seed(2)
+    shapes = {"w": (700, 700), "b": (700,)}  # 3.9 MB and 5.6 kB: two buckets
+    params = {
+        p: {k: torch.randn(*s, generator=g, dtype=F64) for k, s in shapes.items()}
+        for p in ("g", "d")
+    }
+    x = helpers.shard(torch.randn(6, 700, generator=g, dtype=F64), pardist.rank(), 2)
+
+    @pardist.data_parallel(compile=compile)
+    def step(params, x):
+        first = pardist.grad(lambda p: (x @ p["w"] + p["b"]).tanh().sum())(params["g"])
+        second = pardist.grad(lambda p: (x @ p["w"] - p["b"]).pow(2).mean())(params["d"])
+        return first, second
+
+    return step(params, x)
+
+
+def _two_grads_both():
+    alone = {"options": {"reorder_for_peak_memory": False}}  # pardist's order as it is
+    return _two_grads(True), _two_grads(alone), _two_grads(False)
+
+
+@pytest.mark.parametrize("helper", ["1", "0"], ids=["helper", "own_thread"])
+def test_two_gradient_means_in_one_step_keep_their_own_sums(run, helper):
+    """Each mean's buckets have shared memory of their own: the second's start, which
+    runs before the first's waits, must not overwrite sums the first has yet to read."""
+    env = {"PARDIST_SHM_HELPER": helper}
+    for *compiled, eager in run(2, _two_grads_both, env=env, timeout=LIMIT):
+        for grads in compiled:
+            for mine, want, name in zip(grads, eager, ("first", "second")):
+                assert_close64(mine, want, f"the {name} gradients against the eager step")
+
+
 def _tied_loss(p, x, z):
     """``p + q``: autograd hands both parameters one gradient tensor (this rank's z[0])."""
     return (x @ p["w"]).pow(2).mean() + ((p["p"] + p["q"]) * z[0]).sum()

@@ -43,8 +43,10 @@ from pardist.transport import _shm
 
 __all__ = ["issue_early", "sum_buckets"]
 
-_pending: dict[int, concurrent.futures.Future] = {}  # by ticket
+# By ticket: the sum in flight, and the byte where its mean's memory begins.
+_pending: dict[int, tuple[concurrent.futures.Future, int]] = {}
 _tickets = itertools.count(1)
+_free = {"at": 0}  # the first byte of the regions that no sum in flight uses
 
 
 class _Helper:
@@ -74,6 +76,7 @@ _helper: dict[str, _Helper] = {}
 
 def _forget() -> None:
     _pending.clear()
+    _free["at"] = 0
     helper = _helper.pop("thread", None)
     if helper is not None:
         helper.jobs.put(None)  # ends after the jobs before it
@@ -121,13 +124,20 @@ def shm_sum_start(
 ) -> torch.Tensor:
     """Start summing ``xs`` (one dtype), each divided by its divisor, over ``group``.
 
-    The quotients go to byte ``offset`` of this rank's region (``total`` bytes: every
-    bucket of the step, so buckets in flight never share memory), the sum to the same
-    offset of the common area. ``after``: the previous bucket's ticket (order only).
-    Returns this bucket's ticket, for :func:`shm_sum_wait`.
+    ``after``: the previous bucket's ticket of the same mean (None for its first). A
+    mean's buckets take ``total`` bytes of the regions, past those of every other sum
+    in flight (a step may take two means, each started before either is waited for),
+    this bucket at ``offset`` of them; its sum goes to the same place in the common
+    area. Returns this bucket's ticket, for :func:`shm_sum_wait`.
     """
     dtype, numel = xs[0].dtype, sum(x.numel() for x in xs)
-    arena = _ops._arena(group, total, key=f"{group} beside")
+    if after is None:  # a new mean: memory no sum in flight uses (every rank alike)
+        base = _free["at"] if _pending else 0
+        _free["at"] = base + total
+    else:
+        base = _pending[int(after)][1]
+    offset += base
+    arena = _ops._arena(group, base + total, key=f"{group} beside")
     if arena is None:  # no room in /dev/shm: summed now, through the smaller transport
         flat = torch.cat([(x if d == 1 else x / d).reshape(-1) for x, d in zip(xs, divisors)])
         done = _run(False, _ops.shm_all_reduce, flat, group, "sum")
@@ -139,7 +149,7 @@ def shm_sum_start(
             at += x.numel() * dtype.itemsize
         done = _run(_helped(arena.size), arena.reduce_into, offset, numel, dtype, offset)
     ticket = next(_tickets)
-    _pending[ticket] = done
+    _pending[ticket] = done, base
     return torch.tensor(ticket, dtype=torch.int64)
 
 
@@ -156,7 +166,7 @@ def shm_sum_wait(xs: list[torch.Tensor], ticket: torch.Tensor, last: torch.Tenso
     started, whatever a compiler reorders). Raises what the helper raised (a rank
     that timed out, or left the step).
     """
-    done = _pending.pop(int(ticket))
+    done, _ = _pending.pop(int(ticket))
     try:
         total = done.result()
     except BaseException:
