@@ -41,7 +41,7 @@ from pardist.compile import _ops
 from pardist.runtime import _process, inductor_graph_pass
 from pardist.transport import _shm
 
-__all__ = ["issue_early", "sum_buckets"]
+__all__ = ["abandon", "issue_early", "sum_buckets"]
 
 # By ticket: the sum in flight, and the byte where its mean's memory begins.
 _pending: dict[int, tuple[concurrent.futures.Future, int]] = {}
@@ -74,9 +74,15 @@ class _Helper:
 _helper: dict[str, _Helper] = {}
 
 
-def _forget() -> None:
+def abandon() -> None:
+    """Forget the sums in flight: the step raised before it waited for them (and its
+    next call must not keep their memory)."""
     _pending.clear()
     _free["at"] = 0
+
+
+def _forget() -> None:
+    abandon()
     helper = _helper.pop("thread", None)
     if helper is not None:
         helper.jobs.put(None)  # ends after the jobs before it
@@ -170,7 +176,7 @@ def shm_sum_wait(xs: list[torch.Tensor], ticket: torch.Tensor, last: torch.Tenso
     try:
         total = done.result()
     except BaseException:
-        _pending.clear()  # the step is lost: its other buckets are not waited for
+        abandon()  # the step is lost: its other buckets are not waited for
         raise
     for piece, x in zip(total.split([x.numel() for x in xs]), xs):
         x.copy_(piece.view(x.shape))

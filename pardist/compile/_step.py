@@ -293,6 +293,7 @@ class CompiledStep:
             with dynamo.config.patch(specialize_float=True):
                 return self.compiled(step.fn, self.plans[key], args, kwargs)
         except Exception as e:
+            _beside.abandon()  # sums it started and never waited for
             if hooks and not saved_tensors_hooks_enabled():  # left off by torch.func: back on
                 enable_saved_tensors_hooks()
             if not first:
