@@ -221,7 +221,7 @@ def _profiled_order(compile) -> tuple[str, tuple, tuple]:  # noqa: A002
     first = step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         again = step()
-    kinds = {"pardist::shm_sum_start": "S", "pardist::shm_sum_wait": "W"}
+    kinds = {"pardist.shm_sum_start": "S", "pardist.shm_sum_wait": "W"}  # (named by pardist)
     kinds.update({"aten::mm": "M", "aten::addmm": "M"})
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     return "".join(kinds[e.name] for e in events if e.name in kinds), first, again

@@ -136,6 +136,11 @@ def shm_sum_start(
     this bucket at ``offset`` of them; its sum goes to the same place in the common
     area. Returns this bucket's ticket, for :func:`shm_sum_wait`.
     """
+    with torch.profiler.record_function("pardist.shm_sum_start"):  # (as every torch shows it)
+        return _start(xs, group, divisors, offset, total, after)
+
+
+def _start(xs, group, divisors, offset, total, after) -> torch.Tensor:
     dtype, numel = xs[0].dtype, sum(x.numel() for x in xs)
     if after is None:  # a new mean: memory no sum in flight uses (every rank alike)
         base = _free["at"] if _pending else 0
@@ -172,14 +177,15 @@ def shm_sum_wait(xs: list[torch.Tensor], ticket: torch.Tensor, last: torch.Tenso
     started, whatever a compiler reorders). Raises what the helper raised (a rank
     that timed out, or left the step).
     """
-    done, _ = _pending.pop(int(ticket))
-    try:
-        total = done.result()
-    except BaseException:
-        abandon()  # the step is lost: its other buckets are not waited for
-        raise
-    for piece, x in zip(total.split([x.numel() for x in xs]), xs):
-        x.copy_(piece.view(x.shape))
+    with torch.profiler.record_function("pardist.shm_sum_wait"):  # (inductor may not show it)
+        done, _ = _pending.pop(int(ticket))
+        try:
+            total = done.result()
+        except BaseException:
+            abandon()  # the step is lost: its other buckets are not waited for
+            raise
+        for piece, x in zip(total.split([x.numel() for x in xs]), xs):
+            x.copy_(piece.view(x.shape))
 
 
 def sum_buckets(tensors: list, buckets: list[list[int]], divisors: list[float], group: str):
