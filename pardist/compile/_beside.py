@@ -29,6 +29,7 @@ gave one gradient tensor (``w + delta``) are each reduced once.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import os
 import queue
@@ -99,8 +100,14 @@ def _helped(ranks: int) -> bool:
     forced = os.environ.get("PARDIST_SHM_HELPER", "")
     if forced in ("0", "1"):
         return forced == "1"
+    return ranks * (torch.get_num_threads() + 1) <= _cores()
+
+
+@functools.cache
+def _cores() -> int:
+    """The cores this process may run on (read once: not a system call per bucket)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return ranks * (torch.get_num_threads() + 1) <= (cores or 1)
+    return cores or 1
 
 
 def _run(helped: bool, fn, *args) -> concurrent.futures.Future:
