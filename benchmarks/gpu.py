@@ -6,10 +6,11 @@
 ``zoo`` builds every model of the test zoo (tests/models/zoo.py) on the GPU and
 compares pardist's ``apply`` with the module's own forward and backward: the loss
 and the gradients (relative L2), in float32 and under bf16 autocast. ``throughput``
-trains examples/imagenette.py's xresnet18 on device-resident random images (so the
-data loader is not measured) at world size 1: a plain torch loop with a fused AdamW,
-DDP around the same loop, and pardist's data_parallel step with its AdamW, bf16
-autocast in all three, CUDA-synchronised, interleaved rounds. Prints Markdown tables.
+trains examples/imagenette.py's xresnet18 (examples/xresnet.py) on device-resident
+random images (so the data loader is not measured) at world size 1: a plain torch
+loop with a fused AdamW, DDP around the same loop, and pardist's data_parallel step
+with its AdamW, bf16 autocast in all three, CUDA-synchronised, interleaved rounds.
+Prints Markdown tables.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def zoo() -> None:
 
 def xresnet(width: int = 64):
     sys.path.insert(0, str(ROOT / "examples"))
-    from imagenette import xresnet18
+    from xresnet import xresnet18
 
     torch.manual_seed(0)
     return xresnet18(10, width).to(DEV).to(memory_format=torch.channels_last)

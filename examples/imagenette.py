@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from xresnet import xresnet18  # beside this script
 
 import pardist
 
@@ -74,37 +74,6 @@ class Images(Dataset):
         return torch.from_numpy(np.array(img)).permute(2, 0, 1), label
 
 
-def conv(ni: int, nf: int, stride: int = 1, act: bool = True, zero: bool = False, ks: int = 3):
-    c, bn = nn.Conv2d(ni, nf, ks, stride, ks // 2, bias=False), nn.BatchNorm2d(nf)
-    nn.init.kaiming_normal_(c.weight)
-    nn.init.constant_(bn.weight, 0.0 if zero else 1.0)  # zero: a residual block starts as identity
-    return nn.Sequential(c, bn, nn.ReLU()) if act else nn.Sequential(c, bn)
-
-
-class Block(nn.Module):
-    """xresnet's basic block: the shortcut average-pools instead of striding (ResNet-D)."""
-
-    def __init__(self, ni: int, nf: int, stride: int):
-        super().__init__()
-        self.convs = nn.Sequential(conv(ni, nf, stride), conv(nf, nf, act=False, zero=True))
-        pool = [nn.AvgPool2d(2, ceil_mode=True)] if stride > 1 else []
-        self.shortcut = nn.Sequential(*pool, *([conv(ni, nf, 1, False, ks=1)] * (ni != nf)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(self.convs(x) + self.shortcut(x))
-
-
-def xresnet18(n_classes: int, width: int = 64) -> nn.Module:
-    """fastai's xresnet18: a three-conv stem, then four stages of two blocks."""
-    stem = [conv(3, width // 2, 2), conv(width // 2, width // 2), conv(width // 2, width)]
-    sizes = [width, width, 2 * width, 4 * width, 8 * width]
-    blocks = []  # every stage but the first halves the resolution and doubles the channels
-    for i, (ni, nf) in enumerate(zip(sizes, sizes[1:])):
-        blocks += [Block(ni, nf, 2 if i else 1), Block(nf, nf, 1)]
-    head = [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8 * width, n_classes)]
-    return nn.Sequential(*stem, nn.MaxPool2d(3, 2, 1), *blocks, *head)
-
-
 def fail(message: str) -> NoReturn:
     """Exit with a short message (once, from rank 0) instead of every rank's traceback."""
     pardist.print0(
@@ -123,9 +92,8 @@ def show(metrics: dict[str, float]) -> str:
 
 def main() -> None:
     workers = min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=defaults)
     parser.add_argument("--data", metavar="DIR", help="an extracted Imagenette: train/, val/")
     parser.add_argument("--url", default=URL, help="the archive to fetch when --data is not given")
     parser.add_argument("--cache", metavar="DIR", default="~/.cache/pardist", help="for --url")
@@ -154,14 +122,11 @@ def main() -> None:
     if len(train_set) < args.bs or len(valid_set) == 0:
         found = f"{len(train_set)} training and {len(valid_set)} validation images"
         fail(f"{root} holds {found}; --bs {args.bs} needs at least {args.bs} and 1.")
-    # Workers from a fork server, not forked from this process: it runs the collectives'
-    # threads by now, and a fork taken while one of them holds a lock can hang a worker.
-    context = "forkserver" if args.workers > 0 else None
-    options = dict(num_workers=args.workers, pin_memory=cuda, persistent_workers=args.workers > 0)
-    options |= dict(multiprocessing_context=context)
-    # One shuffle per epoch shared by the ranks; each global batch is split between them.
+    # Workers from a fork server: a fork of this process (running threads now) can deadlock.
+    forked = dict(multiprocessing_context="forkserver", persistent_workers=True)
+    options = dict(num_workers=args.workers, pin_memory=cuda, **(forked if args.workers else {}))
     loader = DataLoader(train_set, args.bs, shuffle=True, drop_last=True, **options)
-    train = pardist.data.shard(loader, split_batches=True)
+    train = pardist.data.shard(loader, split_batches=True)  # one shuffle; each batch split
     valid = pardist.data.shard(DataLoader(valid_set, args.bs, **options))  # a piece per rank
 
     pardist.seed_everything(0)  # the same initial parameters on every rank
@@ -170,13 +135,11 @@ def main() -> None:
     pardist.seed_everything(0, per_rank=True)  # but different augmentation on every rank
     schedule = pardist.optim.one_cycle(args.epochs * len(train), args.lr)
     opt = pardist.optim.adamw(schedule, betas=(0.9, 0.99), eps=1e-5, weight_decay=1e-2)
-    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+    mean, std = (torch.tensor(v, device=device).view(1, 3, 1, 1) * 255 for v in (MEAN, STD))
 
     def forward(params, buffers, x, y, training=True):
         x = (x.to(device, non_blocking=True).float() - mean) / std
-        # bf16 on GPUs; on CPU bf16 convolutions are slower than float32.
-        with pardist.amp.autocast("bf16", enabled=cuda):
+        with pardist.amp.autocast("bf16", enabled=cuda):  # (on CPU, bf16 convolutions are slower)
             logits, buffers = apply(params, buffers, x, train=training)
         y = y.to(device, non_blocking=True)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=0.1, reduction="none")
@@ -186,8 +149,7 @@ def main() -> None:
         loss, _, buffers = forward(params, buffers, x, y)
         return loss.mean(), buffers
 
-    # Donation: the optimizer updates params and state in place instead of copying them.
-    @pardist.data_parallel(axis="gpu", donate_argnums=(0, 2))
+    @pardist.data_parallel(axis="gpu", donate_argnums=(0, 2))  # donated: updated in place
     def train_step(params, buffers, opt_state, batch):
         grad_fn = pardist.value_and_grad(loss_fn, has_aux=True)
         (loss, buffers), grads = grad_fn(params, buffers, *batch)
@@ -208,9 +170,8 @@ def main() -> None:
     names = ("train_loss", "valid_loss", "valid_accuracy", "images_per_s")
     state = dict(epoch=0, metrics=dict.fromkeys(names, math.nan))
     state["model"] = (params, buffers, opt.init(params))
-    if args.resume and (newest := pardist.checkpoint.latest(args.ckpt)):
-        state = pardist.checkpoint.load(newest, state)  # every rank reads the same values
-        pardist.print0(f"resumed from {newest} after epoch {state['epoch']}")
+    if args.resume:  # the newest checkpoint that reads back whole; every rank reads the same
+        state = pardist.checkpoint.resume(args.ckpt, state, total=args.epochs)
     params, buffers, opt_state = state["model"]
     for epoch in range(state["epoch"], args.epochs):
         train.set_epoch(epoch)
@@ -223,8 +184,9 @@ def main() -> None:
         elapsed = torch.tensor(time.perf_counter() - start, device=device)
         seconds = pardist.pmax(elapsed, "gpu").item()
         valid_loss, accuracy = evaluate(params, buffers)
-        speed = len(train) * args.bs / seconds
-        metrics = dict(zip(names, (train_loss, valid_loss, accuracy, speed)))
+        metrics = dict(
+            zip(names, (train_loss, valid_loss, accuracy, len(train) * args.bs / seconds))
+        )
         pardist.print0(f"epoch {epoch + 1}/{args.epochs}: {show(metrics)}")
         state = dict(epoch=epoch + 1, metrics=metrics, model=(params, buffers, opt_state))
         pardist.checkpoint.save(args.ckpt, state, step=epoch + 1, keep=2)

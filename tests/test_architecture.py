@@ -129,3 +129,13 @@ def test_every_package_offers_its_names(package):
     assert offered, f"pardist.{package} exports nothing from its __init__"
     assert all(hasattr(mod, name) for name in offered)
     assert mod.__doc__ and "import" in mod.__doc__  # says what it may import
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT.parent / "examples").rglob("*.py")), ids=lambda p: p.name
+)
+def test_every_example_reads_in_one_sitting(path):
+    """An example is read whole, top to bottom: under 200 lines (a model of its own lives in
+    a module beside it, as examples/xresnet.py does for imagenette.py)."""
+    lines = len(path.read_text().splitlines())
+    assert lines < 200, f"{path.relative_to(ROOT.parent)} has {lines} lines: 199 at most"
