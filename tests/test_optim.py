@@ -68,6 +68,40 @@ def test_sgd_equals_torch(kw, impl):
     assert int(state.count) == STEPS
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_steps_half_precision_parameters(dtype, momentum):
+    """bfloat16 and float16 parameters of every size move as SGD says, to their rounding.
+
+    torch 2.11-2.13's fused CPU SGD kernel leaves them unchanged wherever it vectorizes
+    (every full 16 elements on AVX2): pardist must not use it there. Parameters start at
+    0, so every step's update is most of their value. Bound: each step rounds at most 4
+    times (the momentum's product and sum, the update's), each by at most u = half an
+    ulp relative to a magnitude that SGD on |g| in float64 bounds, over 3 steps: 12 u.
+    """
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w": (40, 10), "b": (33,)}  # full vectors and a tail
+    grads = [{k: torch.randn(s, generator=g).to(dtype) for k, s in shapes.items()} for _ in "abc"]
+    params = {k: torch.zeros(s, dtype=dtype) for k, s in shapes.items()}
+    ours, _ = run_ours(optim.sgd(0.1, momentum=momentum), params, grads)
+
+    def sgd64(grads):  # SGD in float64, torch's formula (the first buffer is the gradient)
+        p, buf = {k: torch.zeros(s, dtype=torch.float64) for k, s in shapes.items()}, {}
+        for step in grads:
+            for k, gk in step.items():
+                buf[k] = gk if k not in buf or not momentum else momentum * buf[k] + gk
+                p[k] = p[k] - 0.1 * buf[k]
+        return p
+
+    want = sgd64([{k: v.double() for k, v in step.items()} for step in grads])
+    scale = sgd64([{k: v.double().abs() for k, v in step.items()} for step in grads])
+    u = torch.finfo(dtype).eps / 2
+    for k in shapes:
+        error = (ours[k].double() - want[k]).abs()
+        assert (error <= 12 * u * scale[k].abs()).all(), (k, error.max().item())
+        assert (ours[k] != 0).float().mean() > 0.9  # (the bound is no vacuous one)
+
+
 ADAM_CASES = [
     dict(),
     dict(lr=0.01, weight_decay=0.1),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,6 +22,33 @@ from pardist.optim._base import (
 from pardist.runtime import _tree
 
 __all__ = ["SGDState", "sgd"]
+
+
+@functools.cache
+def _fused_kernel_updates(dtype: torch.dtype) -> bool:
+    """Whether torch's fused CPU SGD kernel updates ``dtype`` parameters at all.
+
+    torch 2.11-2.13's leaves bfloat16 and float16 parameters unchanged wherever it
+    vectorizes (every full 16 elements on AVX2), with or without momentum: a step would
+    silently not train them. Asked of the kernel itself, once per dtype: a step of 1 by
+    a gradient of 0.5 must give -0.5 everywhere (exact in every float dtype).
+    """
+    for momentum in (0.0, 0.9):
+        p = torch.zeros(64, dtype=dtype)
+        step = dict(weight_decay=0.0, momentum=momentum, lr=1.0, dampening=0.0, nesterov=False)
+        try:
+            torch_sgd([p], [torch.full_like(p, 0.5)], [None], fused=True, maximize=False, **step)
+        except RuntimeError:  # a kernel without this dtype: the for-loop code has it
+            return False
+        if not bool((p == -0.5).all()):
+            return False
+    return True
+
+
+def _fused_updates_all(tensors: list[torch.Tensor]) -> bool:
+    """``_fused_kernel_updates`` for the dtype of every CPU tensor of ``tensors``."""
+    dtypes = {t.dtype for t in tensors if t.device.type == "cpu"}
+    return all(map(_fused_kernel_updates, dtypes))
 
 
 class SGDState(NamedTuple):
@@ -88,7 +116,7 @@ def sgd(
         each = True if traced and foreach is None else foreach
         if each and nesterov and not weight_decay:
             g = [t.clone() for t in g]  # torch's foreach Nesterov adds into the gradients
-        plan = lambda: fused_ok(p, fused, g, buffers)  # noqa: E731
+        plan = lambda: fused_ok(p, fused, g, buffers) and _fused_updates_all(p)  # noqa: E731
         use_fused = foreach is None and checked.decided(answers, (in_place, first), plan)
 
         def run(p, buffers):
