@@ -38,9 +38,9 @@ def _fused_kernel_updates(dtype: torch.dtype) -> bool:
         step = dict(weight_decay=0.0, momentum=momentum, lr=1.0, dampening=0.0, nesterov=False)
         try:
             torch_sgd([p], [torch.full_like(p, 0.5)], [None], fused=True, maximize=False, **step)
-        except RuntimeError:  # a kernel without this dtype: the for-loop code has it
-            return False
-        if not bool((p == -0.5).all()):
+            if not bool((p == -0.5).all()):
+                return False
+        except RuntimeError:  # a kernel without this dtype (the for-loop code has it)
             return False
     return True
 
