@@ -34,7 +34,7 @@ def _fused_kernel_updates(dtype: torch.dtype) -> bool:
     a gradient of 0.5 must give -0.5 everywhere (exact in every float dtype).
     """
     for momentum in (0.0, 0.9):
-        p = torch.zeros(64, dtype=dtype)
+        p = torch.zeros(64, dtype=dtype, device="cpu")  # (whatever default device is set)
         step = dict(weight_decay=0.0, momentum=momentum, lr=1.0, dampening=0.0, nesterov=False)
         try:
             torch_sgd([p], [torch.full_like(p, 0.5)], [None], fused=True, maximize=False, **step)
