@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pardist.compile import _beside
+from pardist.compile import _beside, _layout
 from pardist.compile._plan import AxisInfo, Plan, make_plan
 from pardist.runtime import (
     CallState,
@@ -163,8 +163,10 @@ class _Backend:
 
     def __init__(self, backend: Any, mode: Any, options: Any, dynamic: Any):
         if backend == "inductor":
-            # Shared-memory sums issued as the backward makes their gradients (_beside).
-            early = {"post_grad_custom_post_pass": _beside.issue_early()}
+            # A conv net's activations in one layout (_layout); shared-memory sums
+            # issued as the backward makes their gradients (_beside).
+            early = {"post_grad_custom_pre_pass": _layout.one_layout()}
+            early["post_grad_custom_post_pass"] = _beside.issue_early()
             self.inner = TorchCompileInductorWrapper(mode, {**early, **(options or {})}, dynamic)
             # The same compiler, scheduling a graph's async collectives beside its backward.
             overlap = {**early, **overlap_options(), **(options or {})}

@@ -113,7 +113,8 @@ def inductor_overlap_passes(names: tuple[str, ...]) -> list[str]:
 
 
 def inductor_graph_pass(fn, files: tuple[str, ...]):
-    """``fn`` (a function of an FX graph) as inductor's ``post_grad_custom_post_pass``:
+    """``fn`` (a function of an FX graph) as inductor's ``post_grad_custom_pre_pass`` or
+    ``post_grad_custom_post_pass``:
     wrapped in torch._inductor.custom_graph_pass.CustomGraphPass (since 2.5) with a uuid
     hashed from ``files`` (its source), so that compiled graphs stay cacheable; the bare
     function where this torch lacks the class (inductor then compiles without its cache).
@@ -131,6 +132,19 @@ def inductor_graph_pass(fn, files: tuple[str, ...]):
             return get_hash_for_files(files)
 
     return _Pass()
+
+
+def inductor_layout_opt(gm: torch.fx.GraphModule) -> bool:
+    """Whether inductor will run this (inference) graph's convolutions channels_last:
+    torch._inductor.graph.GraphLowering.decide_layout_opt, a staticmethod since 2.1
+    (always where oneDNN runs every convolution, by heuristics on GPUs). False where
+    this torch lacks it or it cannot decide. Imported when a step compiles."""
+    try:
+        from torch._inductor.graph import GraphLowering
+
+        return bool(GraphLowering.decide_layout_opt(gm, is_inference=True))
+    except Exception:  # noqa: BLE001 - no answer: leave the graph as traced
+        return False
 
 
 def fused_kernel_devices() -> tuple[str, ...]:
