@@ -53,8 +53,8 @@ def _channels_last_activations(graph: torch.fx.Graph) -> None:
     """Give the activations a convolution's backward reads, and the gradients of the
     convolutions' outputs, channels_last strides: in a graph that also runs the
     convolutions (differentiated inside itself), where inductor runs them channels_last."""
-    backward = graph.find_nodes(op="call_function", target=_CONV_BACKWARD)
-    if not backward or not graph.find_nodes(op="call_function", target=_CONV):
+    backward = [n for n in graph.nodes if n.target is _CONV_BACKWARD]
+    if not backward or not any(n.target is _CONV for n in graph.nodes):
         return
     if not inductor_layout_opt(graph.owning_module):
         return
