@@ -29,12 +29,13 @@ def _activations(code: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [(b[:4], b[4:]) for b in found if b[0] == ROWS and b[1] > 1 and b[2] * b[3] > 1]
 
 
-def _compiled(compile):  # noqa: A002
+def _compiled():
+    """Train with compile=True (inductor); the training and its activations' buffers."""
     torch._inductor.config.compile_threads = 1
     with torch._inductor.config.patch(force_disable_caches=True):  # the code, generated now
         got, codes = run_and_get_code(
             helpers.train_pardist, "convnet", "sgd", steps=3, whole_batch=True, dtype=F64,
-            compile=compile,
+            compile=True,
         )  # fmt: skip
     assert len(codes) == 1  # one graph for the whole step
     return got, _activations(codes[0])
@@ -47,7 +48,7 @@ def trained():
 
     pardist.init()
     try:
-        got, activations = _compiled(True)
+        got, activations = _compiled()
         eager = helpers.train_pardist("convnet", "sgd", steps=3, whole_batch=True, dtype=F64)
     finally:
         pardist.shutdown()
