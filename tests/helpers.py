@@ -35,6 +35,21 @@ def convnet() -> nn.Module:
     )
 
 
+def bn_mlp() -> nn.Module:
+    """An MLP with batch norm: each layer's sums feed a cat (for sync batch norm's
+    all-reduce) and are the gradients of its weight and bias."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32),
+        nn.BatchNorm1d(32),
+        nn.ReLU(),
+        nn.Linear(32, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Linear(16, 4),
+    )
+
+
 class TransformerBlock(nn.Module):
     """One pre-norm encoder layer on a (batch, 6, 16) sequence, mean-pooled into 4 classes."""
 
@@ -54,8 +69,8 @@ def transformer() -> nn.Module:
     return TransformerBlock()
 
 
-MODELS = {"mlp": mlp, "convnet": convnet, "transformer": transformer}
-SHAPES = {"mlp": (8,), "convnet": (1, 8, 8), "transformer": (6, 16)}
+MODELS = {"mlp": mlp, "bn_mlp": bn_mlp, "convnet": convnet, "transformer": transformer}
+SHAPES = {"mlp": (8,), "bn_mlp": (8,), "convnet": (1, 8, 8), "transformer": (6, 16)}
 
 
 def global_batch(

@@ -272,15 +272,15 @@ def _bucket_sums(numels, room: bool):
     xs = [torch.randn(n, generator=g, dtype=F32) for n in numels]
     divisors = [float(world), 1.0, 7.0][: len(xs)]
     group = dist.group.WORLD.group_name
-    sums = [x.clone() for x in xs]
+    given = [x.clone() for x in xs]
     mapped, key = _segments.map_shared, f"{group} beside"
     _ops._arenas.pop(key, None)
     caches = (_ops._arenas, _shmgroups._collective_groups)
     saved = [dict(cache) for cache in caches]
     if not room:
         _segments.map_shared = lambda *args: None
-    try:  # written over its tensors
-        _beside.sum_buckets(sums, [[0, 1], [2]], divisors, group)
+    try:
+        sums = _beside.sum_buckets(given, [[0, 1], [2]], divisors, group)
         arena = _ops._arenas.get(key)
     finally:  # what no room left behind is not the next test's
         _segments.map_shared = mapped
@@ -288,6 +288,13 @@ def _bucket_sums(numels, room: bool):
             cache.clear()
             cache.update(before)
     helper = any(t.name == "pardist-shm-sum" for t in threading.enumerate())
+    # New tensors: nothing given is written (in a graph, inductor may reuse a given
+    # tensor's memory, and write over the sums, once it thinks that tensor was last read)
+    assert all(torch.equal(g, x) for g, x in zip(given, xs))
+    assert not any(
+        s.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
+        for s, g in zip(sums, given)
+    )
     return xs, divisors, sums, arena is not None, helper
 
 

@@ -11,8 +11,13 @@ are an issue and a wait:
   rank: each start takes the one before as an input, so no compiler can reorder them).
   It returns a ticket. Where the host has no core to spare for each rank's helper (the
   ranks' torch threads take them all), the start sums on the rank's own thread.
-- ``pardist::shm_sum_wait`` waits for that sum and writes it back over the gradients,
-  memory the graph has no other use for (a fresh 100 MB costs a CPU page faults).
+- ``pardist::shm_sum_wait`` waits for that sum and writes it into tensors the graph
+  allocated for it (``empty_like``: inductor gives them the memory of the gradients the
+  start read, where 100 MB allocated by the operator would cost page faults).
+  It never writes over a tensor the graph made for anything else: inductor before torch
+  2.15 computes a tensor that feeds a ``cat`` straight into the cat's buffer (batch
+  norm's backward concatenates its two sums for their all-reduce) and can reuse that
+  buffer while an operator's writes to the tensor are still to be read.
 
 :func:`issue_early`, a pass over the graph after inductor's own, orders the backward so
 that each bucket's gradients are made before the next bucket's, and each start right
@@ -22,8 +27,8 @@ last start's ticket: inductor's memory pass would otherwise pull a wait up to it
 start). Every sum is computed as the synchronous transport computes it (rank 0's
 quotient plus rank 1's, ...): the same bits, only sooner.
 
-Every start reads its gradients before any wait writes: two parameters that autograd
-gave one gradient tensor (``w + delta``) are each reduced once.
+Nothing passed in is written, so two parameters that autograd gave one gradient tensor
+(``w + delta``) are each reduced once.
 """
 
 from __future__ import annotations
@@ -195,9 +200,11 @@ def shm_sum_wait(xs: list[torch.Tensor], ticket: torch.Tensor, last: torch.Tenso
             x.copy_(piece.view(x.shape))
 
 
-def sum_buckets(tensors: list, buckets: list[list[int]], divisors: list[float], group: str):
+def sum_buckets(
+    tensors: list, buckets: list[list[int]], divisors: list[float], group: str
+) -> list[torch.Tensor]:
     """Every bucket of ``tensors`` (indices per bucket, one dtype each) divided and summed
-    over ``group``, written back over them: all started, then all waited for."""
+    over ``group``, as new tensors in their order: all started, then all waited for."""
     offsets, total = [], 0
     for index in buckets:
         offsets.append(total)
@@ -209,8 +216,13 @@ def sum_buckets(tensors: list, buckets: list[list[int]], divisors: list[float], 
         xs = [tensors[i] for i in index]
         ticket = torch.ops.pardist.shm_sum_start(xs, group, by, offset, total, ticket)
         tickets.append(ticket)
+    sums = list(tensors)
     for index, ticket in zip(buckets, tickets):
-        torch.ops.pardist.shm_sum_wait([tensors[i] for i in index], ticket, tickets[-1])
+        into = [torch.empty_like(tensors[i]) for i in index]
+        torch.ops.pardist.shm_sum_wait(into, ticket, tickets[-1])
+        for i, total in zip(index, into):
+            sums[i] = total
+    return sums
 
 
 def _issue_early(graph: torch.fx.Graph) -> None:

@@ -207,7 +207,7 @@ def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = 
     into its bucket, so the result is the mean with the same rounding. Between CPU
     ranks of one host (one shared-memory group, no compression, nothing to
     differentiate) each bucket's gradients are divided straight into shared memory and
-    summed beside the backward, the sums written back over them (``_beside``); a
+    summed beside the backward into tensors of their own (``_beside``); a
     broadcast gradient (one memory location for many elements) is made dense first.
     """
     divisors = [1.0] * len(tensors) if divisors is None else divisors
@@ -215,8 +215,7 @@ def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = 
     shared = info.shm == (True,) and plan.compression is None
     if shared and not any(t.requires_grad for t in tensors):
         dense = [t.contiguous() if 0 in t.stride() and t.numel() > 1 else t for t in tensors]
-        _beside.sum_buckets(dense, _buckets(dense, plan), divisors, info.groups[0])
-        return dense
+        return _beside.sum_buckets(dense, _buckets(dense, plan), divisors, info.groups[0])
     out: list = [None] * len(tensors)
     for index in _buckets(tensors, plan):
         by = [float(divisors[i]) for i in index]
