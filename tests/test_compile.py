@@ -3,7 +3,8 @@
 Compiling is slow on two cores, so the models are tiny, each compiled step serves
 several assertions, inductor compiles with one thread, and most cases use the
 ``aot_eager`` backend (dynamo and AOT autograd, the same graph, without inductor's
-code generation); the MLP case runs the default backend, inductor, end to end.
+code generation); the MLP cases, one with batch norm, run the default backend,
+inductor, end to end.
 """
 
 from __future__ import annotations
