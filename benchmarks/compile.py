@@ -31,6 +31,10 @@ call (tracing and compiling included; caches off, so it is what a first run pays
                       step, torch.func.grad_and_value over functional_call and
                       torch's SGD in one graph, what pardist compiles (world size 1)
 
+Memory: each variant's peak during one step, above what was allocated when the step
+began (MiB, the largest over ranks): on CUDA max_memory_allocated, on CPU the total
+that torch's CPU allocator reports to the profiler (``profile_memory``).
+
 Batch norm uses per-rank statistics in every variant (sync_bn=False, as DDP
 without SyncBatchNorm). Each rank runs one thread. On CUDA the script runs
 unchanged with nccl.
@@ -42,6 +46,7 @@ import argparse
 import importlib
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -63,6 +68,31 @@ def _first_call(fn) -> float:
     fn()
     sync()
     return time.perf_counter() - t0
+
+
+def peak_mib(fn) -> float:
+    """MiB allocated at the peak of one call of ``fn``, above what was allocated before."""
+    device = pardist.device()
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        sync()
+        return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0.0
+    events.sort(key=lambda e: e["ts"])
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return (max(e["args"]["Total Allocated"] for e in events) - start) / 2**20
 
 
 def torch_func_step(net: nn.Module, x, y):
@@ -162,9 +192,11 @@ def worker(names: list[str], steps: int, warmup: int, threads: int) -> dict:
     for name in names:
         fns, first = variants(name, dist.get_world_size())
         ms = interleaved_ms(fns, steps, warmup)
+        peaks = {f"peak_mib_{k}": peak_mib(fn) for k, fn in fns.items()}
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, first)
+        dist.all_gather_object(gathered, {**first, **peaks})
         ms.update({f"compile_s_{k}": max(g[k] for g in gathered) for k in first})
+        ms.update({k: max(g[k] for g in gathered) for k in peaks})
         out[name] = ms
     return out
 
@@ -181,14 +213,19 @@ def table(rows: list[dict]) -> str:
         "| compiled/eager | compiled/DDP+compile | gloo: overlap/in order, /DDP+compile "
         "| compiled/torch.compile "
         "| compiled/torch func step | loss compiled/torch.compile "
-        "| loss compiled/DDP+compile | compile s: pardist / DDP / torch |"
+        "| loss compiled/DDP+compile | compile s: pardist / DDP / torch "
+        "| peak MiB: pardist / compiled / compiled, gloo / DDP / DDP + compile |"
     )
-    lines = [head, "|" + "---|" * 20]
+    lines = [head, "|" + "---|" * 21]
     for r in rows:
         cell = lambda k, r=r: f"{r[k]:.1f}" if k in r else "-"  # noqa: E731
         compiled = ("pardist_compiled", "ddp_compiled", "torch_compiled")
         secs = " / ".join(
             f"{r[f'compile_s_{k}']:.0f}" if f"compile_s_{k}" in r else "-" for k in compiled
+        )
+        kinds = ("pardist", "pardist_compiled", "pardist_compiled_gloo", "ddp", "ddp_compiled")
+        peaks = " / ".join(
+            f"{r[f'peak_mib_{k}']:.0f}" if f"peak_mib_{k}" in r else "-" for k in kinds
         )
         lines.append(
             f"| {r['model']} | {r['ranks']} | {cell('pardist')} | {cell('pardist_compiled')} "
@@ -203,7 +240,7 @@ def table(rows: list[dict]) -> str:
             f"| {ratio(r, 'pardist_compiled', 'torch_compiled')} "
             f"| {ratio(r, 'pardist_compiled', 'torch_func_compiled')} "
             f"| {ratio(r, 'pardist_loss_compiled', 'torch_compiled')} "
-            f"| {ratio(r, 'pardist_loss_compiled', 'ddp_compiled')} | {secs} |"
+            f"| {ratio(r, 'pardist_loss_compiled', 'ddp_compiled')} | {secs} | {peaks} |"
         )
     return "\n".join(lines)
 

@@ -270,9 +270,11 @@ def _bucket_sums(numels, room: bool):
     rank, world = pardist.rank(), pardist.world_size()
     g = torch.Generator().manual_seed(rank)
     xs = [torch.randn(n, generator=g, dtype=F32) for n in numels]
+    xs[1] = xs[1][:1].expand(numels[1])  # a broadcast gradient ((p * z).sum()'s): stride 0
     divisors = [float(world), 1.0, 7.0][: len(xs)]
     group = dist.group.WORLD.group_name
     given = [x.clone() for x in xs]
+    given[1] = given[1][:1].expand(numels[1])  # (clone made it dense)
     mapped, key = _segments.map_shared, f"{group} beside"
     _ops._arenas.pop(key, None)
     caches = (_ops._arenas, _shmgroups._collective_groups)

@@ -56,7 +56,7 @@ def train(mode: str) -> tuple[dict, dict, list]:
     def loss(p, b, x, y):
         return F.cross_entropy(apply(p, b, x)[0], y)
 
-    @pardist.data_parallel
+    @pardist.data_parallel(compile=mode == "compiled")
     def step(p, s, b, xy):
         g = pardist.grad(loss)(p, b, *xy)
         p, s = opt.update(g, s, p)
@@ -68,13 +68,18 @@ def train(mode: str) -> tuple[dict, dict, list]:
         params, state, names = step(
             params, state, buffers, (x.chunk(world)[rank], y.chunk(world)[rank])
         )
+    if mode == "compiled":  # one graph for the whole step, not an eager fallback
+        assert step.compiled.fallback is None and step.compiled.calls == STEPS
     full = {k: _full(v, initial[k]) for k, v in params.items()}
     net.load_state_dict({**full, **buffers}, strict=True)  # export still works
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, initial, names
 
 
-@pytest.mark.parametrize("nprocs", [1, 2])
-@pytest.mark.parametrize("mode", ["plain", "zero", "fsdp"])
+# compiled: at 2 ranks, the whole step in one graph, its gradients summed over shared memory
+CASES = [(n, mode) for mode in ("plain", "zero", "fsdp") for n in (1, 2)] + [(2, "compiled")]
+
+
+@pytest.mark.parametrize("nprocs, mode", CASES)
 def test_frozen_parameters_stay_frozen(run, nprocs, mode):
     reference = plain_torch()
     for ours, initial, names in run(nprocs, train, mode):

@@ -12,9 +12,9 @@ are an issue and a wait:
   It returns a ticket. Where the host has no core to spare for each rank's helper (the
   ranks' torch threads take them all), the start sums on the rank's own thread.
 - ``pardist::shm_sum_wait`` waits for that sum and writes it into tensors the graph
-  allocated for it (``empty_like``; inductor allocates them when the step begins, one
-  more gradient-sized set of tensors at the peak, and from its own memory planning:
-  100 MB allocated by the operator afresh would cost page faults on a CPU).
+  allocated for it (``empty_like``, in inductor's memory plan: the step's peak is no
+  higher than eager's. A wait that allocated its sums itself made mlp25m's compiled
+  step 1.3x slower on a CPU, its peak no lower; docs/performance.md, twelfth pass).
   It never writes over a tensor the graph made for anything else: inductor before torch
   2.15 computes a tensor that feeds a ``cat`` straight into the cat's buffer (batch
   norm's backward concatenates its two sums for their all-reduce) and can reuse that

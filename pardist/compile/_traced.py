@@ -207,15 +207,13 @@ def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = 
     into its bucket, so the result is the mean with the same rounding. Between CPU
     ranks of one host (one shared-memory group, no compression, nothing to
     differentiate) each bucket's gradients are divided straight into shared memory and
-    summed beside the backward into tensors of their own (``_beside``); a
-    broadcast gradient (one memory location for many elements) is made dense first.
+    summed beside the backward into tensors of their own (``_beside``).
     """
     divisors = [1.0] * len(tensors) if divisors is None else divisors
     info = plan.axes[plan.axis_key]
     shared = info.shm == (True,) and plan.compression is None
     if shared and not any(t.requires_grad for t in tensors):
-        dense = [t.contiguous() if 0 in t.stride() and t.numel() > 1 else t for t in tensors]
-        return _beside.sum_buckets(dense, _buckets(dense, plan), divisors, info.groups[0])
+        return _beside.sum_buckets(tensors, _buckets(tensors, plan), divisors, info.groups[0])
     out: list = [None] * len(tensors)
     for index in _buckets(tensors, plan):
         by = [float(divisors[i]) for i in index]
