@@ -56,7 +56,7 @@ def train(mode: str) -> tuple[dict, dict, list]:
     def loss(p, b, x, y):
         return F.cross_entropy(apply(p, b, x)[0], y)
 
-    @pardist.data_parallel(compile=mode == "compiled")
+    @pardist.data_parallel(compile=mode.startswith("compiled"))
     def step(p, s, b, xy):
         g = pardist.grad(loss)(p, b, *xy)
         p, s = opt.update(g, s, p)
@@ -68,7 +68,7 @@ def train(mode: str) -> tuple[dict, dict, list]:
         params, state, names = step(
             params, state, buffers, (x.chunk(world)[rank], y.chunk(world)[rank])
         )
-    if mode == "compiled":  # one graph for the whole step, not an eager fallback
+    if mode.startswith("compiled"):  # one graph for the whole step, not an eager fallback
         assert step.compiled.fallback is None and step.compiled.calls == STEPS
     full = {k: _full(v, initial[k]) for k, v in params.items()}
     net.load_state_dict({**full, **buffers}, strict=True)  # export still works
@@ -76,13 +76,16 @@ def train(mode: str) -> tuple[dict, dict, list]:
 
 
 # compiled: at 2 ranks, the whole step in one graph, its gradients summed over shared memory
-CASES = [(n, mode) for mode in ("plain", "zero", "fsdp") for n in (1, 2)] + [(2, "compiled")]
+# (compiled_gloo: over torch's functional collectives, PARDIST_SHM=0)
+CASES = [(n, mode) for mode in ("plain", "zero", "fsdp") for n in (1, 2)]
+CASES += [(2, "compiled"), (2, "compiled_gloo")]
 
 
 @pytest.mark.parametrize("nprocs, mode", CASES)
 def test_frozen_parameters_stay_frozen(run, nprocs, mode):
     reference = plain_torch()
-    for ours, initial, names in run(nprocs, train, mode):
+    env = {"PARDIST_SHM": "0"} if mode == "compiled_gloo" else None
+    for ours, initial, names in run(nprocs, train, mode, env=env):
         assert names == ["2.bias", "4.bias", "4.weight"]  # no gradient for the frozen ones
         for k in ("0.weight", "0.bias", "2.weight"):
             assert torch.equal(ours[k], initial[k]), k  # bit-identical, weight decay included
