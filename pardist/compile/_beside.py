@@ -11,14 +11,16 @@ are an issue and a wait:
   rank: each start takes the one before as an input, so no compiler can reorder them).
   It returns a ticket. Where the host has no core to spare for each rank's helper (the
   ranks' torch threads take them all), the start sums on the rank's own thread.
-- ``pardist::shm_sum_wait`` waits for that sum and writes it into tensors the graph
-  allocated for it (``empty_like``, in inductor's memory plan: the step's peak is no
-  higher than eager's. A wait that allocated its sums itself made mlp25m's compiled
-  step 1.3x slower on a CPU, its peak no lower; docs/performance.md, twelfth pass).
-  It never writes over a tensor the graph made for anything else: inductor before torch
-  2.15 computes a tensor that feeds a ``cat`` straight into the cat's buffer (batch
-  norm's backward concatenates its two sums for their all-reduce) and can reuse that
-  buffer while an operator's writes to the tensor are still to be read.
+- ``pardist::shm_sum_wait`` waits for that sum and returns it where it lies, in the
+  common area of shared memory: the update reads it there, as the eager step's does
+  (no copy: 100 MB a step for a 25M-parameter model). That memory is every rank's and
+  the next step rewrites it, so inductor must never compute into it: ``_guard`` keeps
+  inductor from reusing the wait's output for another tensor or writing into it in
+  place, and copies a sum the graph returns or writes (other backends copy every sum).
+  The wait writes nothing: inductor before torch 2.15 computes a tensor that feeds a
+  ``cat`` straight into the cat's buffer (batch norm's backward concatenates its two
+  sums for their all-reduce) and can reuse that buffer while an operator's writes to
+  the tensor are still to be read.
 
 :func:`issue_early`, a pass over the graph after inductor's own, orders the backward so
 that each bucket's gradients are made before the next bucket's, and each start right
@@ -182,9 +184,13 @@ def _(xs, group, divisors, offset, total, after):
     return torch.empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("pardist::shm_sum_wait", mutates_args=("xs",))
-def shm_sum_wait(xs: list[torch.Tensor], ticket: torch.Tensor, last: torch.Tensor) -> None:
-    """Wait for the sum that ``ticket`` started and write it over ``xs``, in place.
+@torch.library.custom_op("pardist::shm_sum_wait", mutates_args=())
+def shm_sum_wait(
+    ticket: torch.Tensor, last: torch.Tensor, numel: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Wait for the sum that ``ticket`` started: its ``numel`` elements, flat, where they
+    lie in shared memory (not copied: the graph reads them there until the next step's
+    sums rewrite them, :func:`guard`).
 
     ``last``: the step's last ticket (order only: no wait runs before every bucket has
     started, whatever a compiler reorders). Raises what the helper raised (a rank
@@ -193,19 +199,24 @@ def shm_sum_wait(xs: list[torch.Tensor], ticket: torch.Tensor, last: torch.Tenso
     with torch.profiler.record_function("pardist.shm_sum_wait"):  # (inductor may not show it)
         done, _ = _pending.pop(int(ticket))
         try:
-            total = done.result()
+            return done.result()
         except BaseException:
             abandon()  # the step is lost: its other buckets are not waited for
             raise
-        for piece, x in zip(total.split([x.numel() for x in xs]), xs):
-            x.copy_(piece.view(x.shape))
+
+
+@shm_sum_wait.register_fake
+def _(ticket, last, numel, dtype):
+    return torch.empty(numel, dtype=dtype)
 
 
 def sum_buckets(
     tensors: list, buckets: list[list[int]], divisors: list[float], group: str
 ) -> list[torch.Tensor]:
     """Every bucket of ``tensors`` (indices per bucket, one dtype each) divided and summed
-    over ``group``, as new tensors in their order: all started, then all waited for."""
+    over ``group``, in their order: all started, then all waited for. The sums are views
+    of shared memory, valid until the next step's: a graph copies those it returns or
+    writes (``_guard``)."""
     offsets, total = [], 0
     for index in buckets:
         offsets.append(total)
@@ -219,10 +230,11 @@ def sum_buckets(
         tickets.append(ticket)
     sums = list(tensors)
     for index, ticket in zip(buckets, tickets):
-        into = [torch.empty_like(tensors[i]) for i in index]
-        torch.ops.pardist.shm_sum_wait(into, ticket, tickets[-1])
-        for i, total in zip(index, into):
-            sums[i] = total
+        numel, dtype = sum(tensors[i].numel() for i in index), tensors[index[0]].dtype
+        flat, at = torch.ops.pardist.shm_sum_wait(ticket, tickets[-1], numel, dtype), 0
+        for i in index:
+            sums[i] = flat[at : at + tensors[i].numel()].view(tensors[i].shape)
+            at += tensors[i].numel()
     return sums
 
 
@@ -259,5 +271,7 @@ def _issue_early(graph: torch.fx.Graph) -> None:
 
 
 def issue_early():
-    """:func:`_issue_early` as inductor's ``post_grad_custom_post_pass`` (cacheable)."""
-    return inductor_graph_pass(_issue_early, (__file__,))
+    """:func:`_issue_early` as inductor's ``post_grad_custom_post_pass`` (cacheable: its
+    key hashes this file and ``_guard``'s, whose lowering of the wait the graph holds)."""
+    guard = os.path.join(os.path.dirname(__file__), "_guard.py")
+    return inductor_graph_pass(_issue_early, (__file__, guard))

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pardist.compile import _beside, _layout
+from pardist.compile import _beside, _guard, _layout
 from pardist.compile._plan import AxisInfo, Plan, make_plan
 from pardist.runtime import (
     CallState,
@@ -167,6 +167,7 @@ class _Backend:
             # issued as the backward makes their gradients (_beside).
             early = {"post_grad_custom_pre_pass": _layout.one_layout()}
             early["post_grad_custom_post_pass"] = _beside.issue_early()
+            self.in_place = _guard.guard()  # the update reads the sums in shared memory
             self.inner = TorchCompileInductorWrapper(mode, {**early, **(options or {})}, dynamic)
             # The same compiler, scheduling a graph's async collectives beside its backward.
             overlap = {**early, **overlap_options(), **(options or {})}
@@ -174,6 +175,7 @@ class _Backend:
         else:
             self.inner = dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
             self.overlapping = self.inner
+            self.in_place = False  # the sums copied out of shared memory (copy_out)
         self.agreeing = False  # during a step's first call
         self.verdict: str | None = None  # set once the ranks have agreed
         self.graphs = 0
@@ -182,6 +184,8 @@ class _Backend:
         self.graphs += 1
         try:
             _no_checkpoints(gm)
+            if not self.in_place:
+                _guard.copy_out(gm)
             inner = self.overlapping if _async_collectives(gm) else self.inner
             compiled, problem = inner(gm, example_inputs), None
         except dynamo.exc.RestartAnalysis:

@@ -17,7 +17,7 @@ all-reduce (or reduce-scatter, for a sharded optimizer) and views back, with the
 same layout and arithmetic as the eager reducer. Between CPU ranks of one host each
 bucket is a start and a wait instead (``_beside``): the start divides each gradient
 straight into shared memory, as the eager reducer's hooks do, and a helper thread sums
-while the backward goes on; the wait writes each sum back over its gradient.
+while the backward goes on; the update reads each sum where it was summed.
 
 Axes are looked up in the step's :class:`~pardist.compile._plan.Plan`, which holds
 group names and sizes as plain constants (nothing a compiler must guard on
@@ -207,7 +207,7 @@ def mean(tensors: list[torch.Tensor], plan: Any, divisors: list[float] | None = 
     into its bucket, so the result is the mean with the same rounding. Between CPU
     ranks of one host (one shared-memory group, no compression, nothing to
     differentiate) each bucket's gradients are divided straight into shared memory and
-    summed beside the backward into tensors of their own (``_beside``).
+    summed there beside the backward (``_beside``).
     """
     divisors = [1.0] * len(tensors) if divisors is None else divisors
     info = plan.axes[plan.axis_key]

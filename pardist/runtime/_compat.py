@@ -54,6 +54,7 @@ __all__ = [
     "fused_adamw_",
     "fused_kernel_devices",
     "inductor_graph_pass",
+    "inductor_lowering",
     "inductor_overlap_passes",
     "make_wrapper_subclass",
     "matches_machine_hostname",
@@ -132,6 +133,28 @@ def inductor_graph_pass(fn, files: tuple[str, ...]):
             return get_hash_for_files(files)
 
     return _Pass()
+
+
+def inductor_lowering(op, then) -> bool:
+    """Have inductor lower the custom operator ``op`` as it lowers any (its fallback
+    kernel), then ``then(out, clone, graph)``: that kernel's output, inductor's lowering
+    of ``aten.clone`` and the graph being lowered (``V.graph``), returning what the
+    graph reads. False where this torch lacks the hooks (``register_lowering``)."""
+    try:
+        from torch._inductor import lowering
+        from torch._inductor.virtualized import V
+    except ImportError:
+        return False
+    clone = lowering.lowerings.get(torch.ops.aten.clone.default)
+    if clone is None or not hasattr(lowering, "register_lowering"):
+        return False
+    fallback = lowering.fallback_handler(op, add_to_fallback_set=False)
+
+    def lower(*args, **kwargs):
+        return then(fallback(*args, **kwargs), clone, V.graph)
+
+    lowering.register_lowering(op, type_promotion_kind=None)(lower)
+    return True
 
 
 def inductor_layout_opt(gm: torch.fx.GraphModule) -> bool:
