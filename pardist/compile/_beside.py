@@ -190,7 +190,7 @@ def shm_sum_wait(
 ) -> torch.Tensor:
     """Wait for the sum that ``ticket`` started: its ``numel`` elements, flat, where they
     lie in shared memory (not copied: the graph reads them there until the next step's
-    sums rewrite them, :func:`guard`).
+    sums rewrite them: ``_guard``).
 
     ``last``: the step's last ticket (order only: no wait runs before every bucket has
     started, whatever a compiler reorders). Raises what the helper raised (a rank

@@ -62,16 +62,17 @@ def _escapes(node: torch.fx.Node) -> bool:
             schema = getattr(user.target, "_schema", None)
             if schema is None:  # a higher-order operator, a Python function: unknown
                 return True
-            for arg, value in zip(schema.arguments, _bound(user, schema)):
-                if arg.alias_info is not None and arg.alias_info.is_write and _holds(value, n):
-                    return True
-            # A view of it (or it, written and returned); a list of views aliases any.
+            # The arguments that hold it, and whether the operator writes or returns them
+            # (a view of it; a list of views aliases any argument).
+            held = [
+                a.alias_info for a, v in zip(schema.arguments, _bound(user, schema)) if _holds(v, n)
+            ]
+            if any(info is not None and info.is_write for info in held):
+                return True
             sets = [r.alias_info.before_set for r in schema.returns if r.alias_info]
             views = set().union(*sets) if all(sets) else None
-            for arg, value in zip(schema.arguments, _bound(user, schema)):
-                aliased = arg.alias_info and (views is None or views & arg.alias_info.before_set)
-                if sets and aliased and _holds(value, n):
-                    todo.append(user)
+            if sets and any(i and (views is None or views & i.before_set) for i in held):
+                todo.append(user)
     return False
 
 
