@@ -55,6 +55,10 @@ class LossScaleState(NamedTuple):
     good_steps: torch.Tensor  # int64 scalar: finite steps since the last change
 
 
+# A state is data: torch.load(weights_only=True) reads a torch.save of it (issue 48).
+torch.serialization.add_safe_globals([LossScaleState])
+
+
 class DynamicLossScale(NamedTuple):
     """``init``, ``scale``, ``unscale`` and ``adjust``: pure functions of the state."""
 

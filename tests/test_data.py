@@ -384,3 +384,32 @@ def test_rank0_first_failure_reaches_every_rank(run):
     first, second = run(2, _prepare_fails)
     assert first == "OSError: disk full"
     assert second.startswith("RuntimeError: pardist.rank0_first: rank 0 failed running download")
+
+
+def _prepare_in_a_block(path: str, fail: bool):
+    import time
+
+    try:
+        with pardist.rank0_first():
+            with open(path, "a") as f:
+                f.write(f"{pardist.rank()} start\n")
+            if fail and pardist.rank() == 0:
+                raise OSError("disk full")
+            time.sleep(0.2 if pardist.rank() == 0 else 0)  # a slow rank 0: the others wait
+            with open(path, "a") as f:
+                f.write(f"{pardist.rank()} end\n")
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "done"
+
+
+def test_rank0_first_as_a_context_manager(run, tmp_path):
+    path = tmp_path / "log"
+    assert run(3, _prepare_in_a_block, str(path), False) == ["done"] * 3
+    lines = path.read_text().splitlines()
+    assert lines[:2] == ["0 start", "0 end"]
+    assert sorted(lines[2:]) == ["1 end", "1 start", "2 end", "2 start"]
+    first, second = run(2, _prepare_in_a_block, str(tmp_path / "fails"), True)
+    assert first == "OSError: disk full"
+    assert second.startswith("RuntimeError: pardist.rank0_first: rank 0 failed running the block")
+    assert (tmp_path / "fails").read_text().splitlines() == ["0 start"]  # rank 1 never began

@@ -240,19 +240,31 @@ def test_replicated_input_shape_differs(run):
         )
 
 
-def _replicated_values_differ():
-    torch.manual_seed(pardist.rank())  # the classic bug: unseeded initialisation
+def _replicated_values_differ(seed_per_rank: bool):
+    if seed_per_rank:  # DDP scripts seed each rank (seed + rank): DDP's wrap copies rank 0's
+        torch.manual_seed(pardist.rank())
+        w = torch.randn(3)
+    else:  # the same seed, but a rank draws once more before the model
+        torch.manual_seed(0)
+        w = torch.randn(3 + pardist.rank())[-3:]
     step = pardist.data_parallel(lambda p, b: p)
     try:
-        step({"w": torch.randn(3)}, torch.ones(2))
+        step({"w": w}, torch.ones(2))
     except ValueError as e:
         return str(e)
 
 
-def test_replicated_input_values_differ(run):
-    for msg in run(2, _replicated_values_differ):
+@pytest.mark.parametrize("seed_per_rank", [True, False])
+def test_replicated_input_values_differ(run, seed_per_rank):
+    for msg in run(2, _replicated_values_differ, seed_per_rank):
         assert "args[0]['w'] differs between rank 0 and rank 1" in msg
-        assert "pardist.broadcast" in msg
+        seeded = "The ranks were seeded differently (torch.initial_seed() differs)"
+        if seed_per_rank:  # broadcast first, as DDP's wrap does
+            assert seeded in msg and "params = pardist.broadcast(params)" in msg
+            assert msg.index("broadcast") < msg.index("seed every rank alike")
+        else:
+            assert seeded not in msg
+            assert "pardist.seed_everything(0)" in msg and "pardist.broadcast(tree)" in msg
 
 
 def test_spec_errors(world1):

@@ -139,8 +139,35 @@ def test_position_continues_at_another_world_size(before, after):
     resumed = loaders(after)
     for s in resumed:
         s.load_state_dict(state)
-    assert len(resumed[0]) == 3
+    assert len(resumed[0]) == 8 and resumed[0].remaining == 3  # an epoch's, and what is left
     assert seen + global_batches(resumed, epochs=2) == one
+    assert [s.remaining for s in resumed] == [8] * after  # a pass from the start
+
+
+@pytest.mark.parametrize("stop", [5, 8, 13])
+def test_epoch_arithmetic_written_for_a_dataloader_resumes_right(stop):
+    """Accelerate's examples resume with ``epoch = step // len(loader)`` and skip the rest of
+    that epoch's batches; a resumed sharded loader skips them itself, and len() must stay the
+    epoch's length or the loop starts in a later epoch (and may train nothing)."""
+
+    def train(shard, start_step: int, until: int | None) -> tuple[list, dict | None]:
+        seen, step = [], start_step
+        for epoch in range(start_step // len(shard), 3):  # the DataLoader-style arithmetic
+            shard.set_epoch(epoch)
+            for (batch,) in shard:
+                seen.append((epoch, batch.tolist()))
+                step += 1
+                if step == until:
+                    return seen, {"step": step, "loader": shard.state_dict()}
+        return seen, None
+
+    whole, _ = train(loaders(2)[0], 0, None)  # rank 0 of a run never stopped: 3 epochs of 8
+    first, saved = train(loaders(2)[0], 0, stop)
+    resumed = loaders(2)[0]
+    resumed.load_state_dict(saved["loader"])
+    rest, _ = train(resumed, saved["step"], None)
+    assert len(whole) == 24
+    assert first + rest == whole  # the same epochs and rows: none skipped, none repeated
 
 
 def test_positions_that_cannot_continue_exactly_are_errors():

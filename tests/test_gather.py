@@ -48,6 +48,7 @@ def _errors():
         lambda: pardist.gather(torch.ones(2), total=2),  # 2 rows too many
         lambda: pardist.gather({"p": torch.ones(2, 3 + r)}),  # trailing shapes differ
         lambda: pardist.gather(torch.tensor(1.0)),
+        lambda: pardist.gather({"a": torch.ones(2), ("b" if r else "c"): torch.ones(2)}),
     ]
     for attempt in attempts:
         try:
@@ -59,7 +60,7 @@ def _errors():
 
 
 def test_gather_errors_name_sizes_paths_and_ranks(run):
-    for too_few, too_many, shapes, scalar in run(2, _errors):
+    for too_few, too_many, shapes, scalar, keys in run(2, _errors):
         assert "total=5, but the ranks of axis 'gpu' hold only 4 rows of tree" in too_few
         assert "(per rank: [2, 2])" in too_few
         assert "hold 4 rows of tree (per rank: [2, 2]), 2 more" in too_many
@@ -67,6 +68,7 @@ def test_gather_errors_name_sizes_paths_and_ranks(run):
         assert "tree['p'] has different dtypes or trailing shapes" in shapes
         assert "rank 0: float32 (2, 3), rank 1: float32 (2, 4)" in shapes
         assert "tree is a scalar (shape ()); gather concatenates along dim 0" in scalar
+        assert "rank 0 has 2 (tree['c'] not on rank 1), rank 1 has 2 (tree['b'] not" in keys
 
 
 def _objects():
@@ -143,3 +145,57 @@ def test_gathered_accuracy_equals_one_process_exactly(run, nprocs):
     for acc, got_preds, got_targets in run(nprocs, _evaluate, n, 8):
         assert acc == accuracy
         assert torch.equal(got_preds, preds) and torch.equal(got_targets, y)
+
+
+# loader.gather: Accelerate's gather_for_metrics, per batch.
+
+
+def _per_batch(n: int, bs: int, split: bool, drop_last: bool):
+    loader = DataLoader(list(range(n)), batch_size=bs, drop_last=drop_last)
+    valid = pdata.shard(loader, split_batches=split)
+    batches = [valid.gather(batch).tolist() for batch in valid]
+    keys = [valid.gather({"i": b, "x": {"sq": b.double() ** 2}}) for b in valid]
+    return batches, [k["i"].tolist() for k in keys], [k["x"]["sq"].sum().item() for k in keys]
+
+
+@pytest.mark.parametrize(
+    "nprocs, n, bs, split, drop_last",
+    [(3, 10, 3, False, False), (4, 10, 2, False, False), (3, 9, 4, False, False),
+     (4, 3, 2, False, False), (2, 11, 4, True, False), (3, 10, 3, True, False),
+     (2, 11, 4, True, True), (3, 10, 3, False, True)],
+)  # fmt: skip
+def test_per_batch_gather_counts_every_sample_once(run, nprocs, n, bs, split, drop_last):
+    """Summed over an epoch's batches, the gathered rows are the dataset's, each exactly once
+    (what a per-batch metric needs), for every way shard pads: the wrap-around repeats of the
+    last rank(s) and a split last global batch. With drop_last, the samples the loader drops."""
+    one = [list(b.tolist()) for b in DataLoader(list(range(n)), batch_size=bs, drop_last=drop_last)]
+    for batches, again, squares in run(nprocs, _per_batch, n, bs, split, drop_last):
+        seen = sorted(i for b in batches for i in b)
+        if drop_last and split:  # the global batches one process would have
+            assert seen == sorted(i for b in one for i in b)
+        elif drop_last:  # every rank's full batches of its share: no sample twice
+            assert len(seen) == len(set(seen))
+        else:
+            assert seen == list(range(n))
+        assert again == batches and len(squares) == len(batches)
+        assert sum(squares) == sum(i * i for b in batches for i in b)
+
+
+def _gather_before_a_batch():
+    valid = pdata.shard(DataLoader(list(range(8)), batch_size=2))
+    try:
+        valid.gather(torch.ones(2))
+    except ValueError as e:
+        first = str(e)
+    for _ in valid:
+        try:
+            valid.gather(torch.ones(3))  # not one row per sample
+        except ValueError as e:
+            return first, str(e)
+    return first, None
+
+
+def test_per_batch_gather_errors(run):
+    for first, rows in run(2, _gather_before_a_batch):
+        assert "has handed out no batch yet" in first
+        assert "has 6 rows over the ranks, but their batches hold 4 samples" in rows

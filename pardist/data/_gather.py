@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pardist.runtime import _mesh, _tree
 
-__all__ = ["all_gather_ints", "gather", "gather_object"]
+__all__ = ["all_gather_ints", "gather", "gather_batch", "gather_object"]
 
 
 def _comm_device(group: Any) -> torch.device:
@@ -129,10 +129,11 @@ def gather(tree: Any, axis: str | tuple[str, ...] = "gpu", *, total: int | None 
         lengths = [[x.shape[0] for x in out]]
     else:
         group = mesh.group(axis)
-        mine = [(str(x.dtype).removeprefix("torch."), tuple(x.shape)) for _, x in named]
+        mine = [(str(x.dtype).removeprefix("torch."), tuple(x.shape), p) for p, x in named]
         metas: list[Any] = [None] * size
         dist.all_gather_object(metas, mine, group=group)
-        lengths = [[shape[0] for _, shape in m] for m in metas]
+        _same_structure(metas)
+        lengths = [[shape[0] for _, shape, _ in m] for m in metas]
         out = [_gather_leaf(x, i, path, metas, group) for i, (path, x) in enumerate(named)]
     if total is not None:
         out = [
@@ -140,6 +141,23 @@ def gather(tree: Any, axis: str | tuple[str, ...] = "gpu", *, total: int | None 
             for i, ((path, _), x) in enumerate(zip(named, out))
         ]
     return _tree.tree_unflatten(out, _tree.tree_flatten(tree)[1])
+
+
+def _same_structure(metas: list) -> None:
+    """Every rank passed a tree with the same leaves (a dict's keys may differ per rank)."""
+    first = [m[2] for m in metas[0]]
+    for r, m in enumerate(metas[1:], 1):
+        theirs = [e[2] for e in m]
+        if theirs != first:
+            only0 = [p for p in first if p not in theirs]
+            only_r = [p for p in theirs if p not in first]
+            raise ValueError(
+                f"pardist.gather: the ranks pass trees with different leaves: rank 0 has "
+                f"{len(first)} ({', '.join(only0[:3]) or 'the same'} not on rank {r}), rank "
+                f"{r} has {len(theirs)} ({', '.join(only_r[:3]) or 'the same'} not on rank "
+                "0). Every rank must pass the same structure (the same keys in the same "
+                "order)."
+            )
 
 
 def _gather_leaf(x: torch.Tensor, i: int, path: str, metas: list, group: Any) -> torch.Tensor:
@@ -182,3 +200,39 @@ def _keep(x: torch.Tensor, total: int, path: str, per_rank: list[int], size: int
             "epoch of a shard(...) loader's outputs, or slice the rows yourself."
         )
     return x[:total]
+
+
+def gather_batch(loader: Any, tree: Any) -> Any:
+    """``loader.gather(tree)``: the ranks' rows of ``loader``'s current batch, padding dropped."""
+    where = "pardist.data.ShardedLoader.gather"
+    if loader._current < 0 or loader._position == 0:
+        raise ValueError(
+            f"{where}: the loader has handed out no batch yet; call it inside the loop over "
+            "the loader, with the outputs of the batch it just gave."
+        )
+    rows = loader.rows(loader._position - 1)
+    axis = loader.axis if loader.axis is not None else _mesh.current_mesh("gather").axis_names
+    if _mesh.current_mesh("gather").size(axis) != loader.world_size:
+        raise ValueError(
+            f"{where}: the loader was sharded over {loader.world_size} ranks, but axis "
+            f"{axis!r} has {_mesh.current_mesh('gather').size(axis)}; shard the loader with "
+            "axis=... (or the process group's rank and world size)."
+        )
+    gathered = gather(tree, axis)
+    keep = torch.cat(
+        [torch.arange(real) + sum(m for m, _ in rows[:r]) for r, (_, real) in enumerate(rows)]
+    )
+    expected = sum(m for m, _ in rows)
+
+    def cut(path: str, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != expected:
+            raise ValueError(
+                f"{where}: {path} has {x.shape[0]} rows over the ranks, but their batches hold "
+                f"{expected} samples ({[m for m, _ in rows]} per rank); give one row per "
+                "sample of the batch the loader just handed out."
+            )
+        return x[keep.to(x.device)] if len(keep) < expected else x
+
+    named = _tree.leaves_with_paths(gathered, "tree")
+    out = [cut(path, x) for path, x in named]
+    return _tree.tree_unflatten(out, _tree.tree_flatten(gathered)[1])

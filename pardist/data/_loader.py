@@ -77,10 +77,12 @@ def _plain(sampler: Any) -> bool:
 class ShardedLoader:
     """This rank's batches of a dataset cut evenly over the ranks; made by :func:`shard`.
 
-    Iterate it once per epoch; ``len()`` is the number of batches, the same on
-    every rank. Attributes: ``loader`` (the original), ``dataset``, ``rank``,
-    ``world_size``, ``batch_size`` (per rank), ``epoch`` (the next pass's),
-    ``samples`` (per rank per epoch).
+    Iterate it once per epoch; ``len()`` is the number of batches of an epoch, the
+    same on every rank, as a DataLoader's (also after :meth:`load_state_dict` resumed
+    it part-way: epoch arithmetic such as ``resume_step // len(loader)`` holds);
+    :attr:`remaining` is what the next pass yields. Attributes: ``loader`` (the
+    original), ``dataset``, ``rank``, ``world_size``, ``batch_size`` (per rank),
+    ``epoch`` (the next pass's), ``samples`` (per rank per epoch).
     """
 
     def __init__(
@@ -96,8 +98,9 @@ class ShardedLoader:
         seed: int | None,
         check: bool,
         device: tuple = (None, False),
+        axis: str | tuple[str, ...] | None = None,
     ):
-        self.loader, self.dataset = loader, loader.dataset
+        self.loader, self.dataset, self.axis = loader, loader.dataset, axis
         self.rank, self.world_size, self.split_batches = rank, world_size, split_batches
         sampler = loader.sampler
         self.shuffle = isinstance(sampler, RandomSampler) if shuffle is None else bool(shuffle)
@@ -142,7 +145,14 @@ class ShardedLoader:
         )
 
     def __len__(self) -> int:
-        """The next pass's number of batches (fewer in a pass resumed part-way)."""
+        """The number of batches of an epoch, as a DataLoader's ``len()``; a pass resumed
+        part-way yields :attr:`remaining` of them."""
+        return self.batches
+
+    @property
+    def remaining(self) -> int:
+        """The batches the next pass yields: ``len()`` less those a resumed epoch had
+        already handed out (``len()`` itself for a pass from the start)."""
         return self.batches - (self._skip[1] if self._skip and self._skip[0] == self.epoch else 0)
 
     def state_dict(self) -> dict:
@@ -242,6 +252,42 @@ class ShardedLoader:
         for batch in batches:
             self._position += 1
             yield batch
+
+    def gather(self, tree: Any) -> Any:
+        """Every rank's outputs for the batch this loader last handed out, without the rows
+        that pad the epoch (Accelerate's ``gather_for_metrics``); every rank calls it.
+
+        ``tree``'s leaves have one row per sample of this rank's batch (predictions,
+        labels). The result holds the ranks' rows in rank order, less the wrap-around
+        repeats that make the ranks' shares equal (they fall in the last batches), so a
+        metric summed over an epoch's batches counts each sample exactly once, as one
+        process would. The rows come in the ranks' order, not the dataset's; for
+        outputs in dataset order gather the whole epoch with ``pardist.gather(...,
+        total=n)``.
+
+        Example:
+            >>> import pardist, torch
+            >>> from torch.utils.data import DataLoader
+            >>> _ = pardist.init()
+            >>> valid = pardist.data.shard(DataLoader(list(range(5)), batch_size=4))
+            >>> [valid.gather(batch).tolist() for batch in valid]
+            [[0, 1, 2, 3], [4]]
+            >>> pardist.shutdown()
+        """
+        return _gather.gather_batch(self, tree)
+
+    def rows(self, batch: int) -> list[tuple[int, int]]:
+        """``(rows, real rows)`` of every rank's batch number ``batch`` of the epoch: the rows
+        after the real ones repeat the epoch's first samples (the ranks' shares are equal)."""
+        w, bs, n = self.world_size, self.batch_size, self.n
+        if self.split_batches:  # batch b of the padded order, cut in w slices of bs
+            starts = [batch * bs * w + r * bs for r in range(w)]
+            sizes = [bs] * w
+        else:  # rank r's piece is [r * samples, (r + 1) * samples) of the padded order
+            size = min(bs, self.samples - batch * bs)
+            starts = [r * self.samples + batch * bs for r in range(w)]
+            sizes = [size] * w
+        return [(m, max(0, min(m, n - start))) for start, m in zip(starts, sizes)]
 
     def __repr__(self) -> str:
         return (
@@ -388,4 +434,5 @@ def shard(
         seed=seed,
         check=not explicit,
         device=_placement.resolve(device, _WHERE),
+        axis=axis,
     )

@@ -19,6 +19,7 @@ from pardist.optim._schedules import (
 )
 from pardist.optim._sgd import SGDState, sgd
 from pardist.optim._sharded import ShardedState, sharded
+from pardist.optim._torch import from_torch, state_from_torch, state_to_torch
 from pardist.optim._transforms import clip_by_global_norm, clip_by_value, global_norm
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "constant",
     "cosine_decay",
     "flat_cos",
+    "from_torch",
     "global_norm",
     "linear_warmup",
     "masked",
@@ -44,6 +46,8 @@ __all__ = [
     "piecewise_constant",
     "sgd",
     "sharded",
+    "state_from_torch",
+    "state_to_torch",
     "step_count",
     "warmup_cosine",
 ]

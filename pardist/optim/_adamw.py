@@ -37,6 +37,10 @@ class AdamWState(NamedTuple):
     max_exp_avg_sq: Any  # like params with amsgrad, else None
 
 
+# A state is data: torch.load(weights_only=True) reads a torch.save of it (issue 48).
+torch.serialization.add_safe_globals([AdamWState])
+
+
 def adamw(
     lr: float | Callable[[int], float] = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),

@@ -56,6 +56,10 @@ class SGDState(NamedTuple):
     momentum_buffer: Any  # like params; None without momentum
 
 
+# A state is data: torch.load(weights_only=True) reads a torch.save of it (issue 48).
+torch.serialization.add_safe_globals([SGDState])
+
+
 def sgd(
     lr: float | Callable[[int], float],
     momentum: float = 0.0,

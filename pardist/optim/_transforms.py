@@ -27,6 +27,10 @@ class EmptyState(NamedTuple):
     pass
 
 
+# A state is data: torch.load(weights_only=True) reads a torch.save of it (issue 48).
+torch.serialization.add_safe_globals([EmptyState])
+
+
 def global_norm(tree) -> torch.Tensor:
     """The 2-norm of all leaves together, as ``torch.nn.utils.clip_grad_norm_`` computes it."""
     leaves = _tree.check_tensor_leaves(tree, where="pardist.optim.global_norm", name="tree")

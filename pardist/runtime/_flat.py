@@ -3,7 +3,8 @@
 torch.utils._pytree walks a tree in Python through its node registry, and rebuilds
 one with a recursive ``unflatten``: for a model's parameter dict that is most of a
 small step's overhead (issue 19: a third of the time of a 31-layer step). Trees of
-dicts, lists, tuples and NamedTuples (what steps take) are flattened here by one
+dicts, lists, tuples, NamedTuples and the Mappings pardist registers (``_mappings``:
+a Hugging Face batch) are flattened here by one
 walk that also produces a hashable structure key; the key finds torch's TreeSpec
 made the first time (so specs stay torch's, interchangeable with torch.func's), and
 each spec gets a rebuilder compiled once from its structure. Any other registered
@@ -12,8 +13,11 @@ node type, and every call while dynamo traces, goes to torch's pytree unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
+from pardist.runtime import _mappings
 from pardist.runtime._compat import pytree
 
 __all__ = ["tree_flatten", "tree_leaves", "tree_map", "tree_unflatten"]
@@ -52,6 +56,13 @@ def _walk(node, leaves: list, keyed: bool = True):
         return (kind, tuple(node) if kind is dict else len(node), tuple(sub)) if keyed else None
     if issubclass(kind, tuple) and hasattr(kind, "_fields"):  # a NamedTuple
         return (kind, len(node), tuple(_walk(v, leaves, keyed) for v in node))
+    if kind not in _mappings.KNOWN and kind not in pytree.SUPPORTED_NODES:
+        if isinstance(node, Mapping):
+            _mappings.adopt(node)  # a BatchEncoding, a UserDict: a tree from now on
+    if kind in _mappings.KNOWN:
+        values, context = _mappings.flatten(node)
+        sub = tuple(_walk(v, leaves, keyed) for v in values)
+        return (kind, context, sub) if keyed else None
     if kind in pytree.SUPPORTED_NODES or issubclass(kind, (tuple, dict, list)):
         raise _Other  # OrderedDict, structseq, registered classes: torch's rules
     leaves.append(node)
@@ -66,7 +77,7 @@ def tree_flatten(tree, is_leaf=None) -> tuple[list, pytree.TreeSpec]:
     try:
         key = _walk(tree, leaves)
     except _Other:
-        return pytree.tree_flatten(tree)
+        return _torch_flatten(tree)
     spec = _specs.get(key)
     if spec is None:
         leaves_again, spec = pytree.tree_flatten(tree)
@@ -87,8 +98,16 @@ def tree_leaves(tree, is_leaf=None) -> list:
     try:
         _walk(tree, leaves, keyed=False)
     except _Other:
-        return pytree.tree_leaves(tree)
+        return _torch_flatten(tree)[0]
     return leaves
+
+
+def _torch_flatten(tree) -> tuple[list, pytree.TreeSpec]:
+    """torch's flatten, after registering any Mapping it would have left a leaf."""
+    leaves, spec = pytree.tree_flatten(tree)
+    if not _LEAVES.issuperset(map(type, leaves)) and _mappings.adopt_leaves(leaves):
+        return pytree.tree_flatten(tree)
+    return leaves, spec
 
 
 def _source(spec, out: list, consts: list) -> str:
@@ -110,6 +129,9 @@ def _source(spec, out: list, consts: list) -> str:
         return "[" + ", ".join(parts) + "]"
     if kind is tuple:
         return "(" + "".join(f"{p}, " for p in parts) + ")"
+    if kind in _mappings.KNOWN:
+        consts.append(_mappings.rebuilder(kind, spec.context))
+        return f"C[{len(consts) - 1}]([" + ", ".join(parts) + "])"
     consts.append(kind)  # a NamedTuple
     return f"C[{len(consts) - 1}](" + ", ".join(parts) + ")"
 
@@ -119,7 +141,11 @@ def _builder(spec):
     if entry is not None and entry[0] is spec:
         return entry
     known = all(
-        s.is_leaf() or s.type in _CONTAINERS or hasattr(s.type, "_fields") for s in _nodes(spec)
+        s.is_leaf()
+        or s.type in _CONTAINERS
+        or s.type in _mappings.KNOWN
+        or hasattr(s.type, "_fields")
+        for s in _nodes(spec)
     )
     if not known:
         return None

@@ -41,6 +41,9 @@ def progress(iterable: Iterable | None = None, *, main_only: bool = True, **kwar
     """
     silent = main_only and not _process.is_main()
     kwargs["disable"] = bool(kwargs.get("disable", False)) or silent
+    remaining = getattr(iterable, "remaining", None)  # a sharded loader resumed part-way
+    if isinstance(remaining, int) and "total" not in kwargs and "initial" not in kwargs:
+        kwargs["total"], kwargs["initial"] = len(iterable), len(iterable) - remaining
     return tqdm(iterable, **kwargs)
 
 

@@ -1,7 +1,9 @@
 """Pytree helpers with paths, so that every error can name ``args[0]['w']``.
 
 pardist uses torch.utils._pytree (the same trees torch.func understands): any
-nesting of dict / list / tuple / NamedTuple with leaves.
+nesting of dict / list / tuple / NamedTuple with leaves, and any other Mapping
+(``BatchEncoding``, ``UserDict``), which pardist registers the first time it meets one
+(``_mappings``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pardist.runtime import _flat
+from pardist.runtime import _flat, _mappings
 from pardist.runtime._compat import pytree, pytree_children
 
 __all__ = [
@@ -50,6 +52,8 @@ def any_instance(xs: Iterable, kind: type) -> bool:
 def leaves_with_paths(tree: Any, name: str = "") -> list[tuple[str, Any]]:
     """``[(name + "[0]['w']", leaf), ...]`` in flattening order."""
     flat, _ = pytree.tree_flatten_with_path(tree)
+    if _mappings.adopt_leaves([leaf for _, leaf in flat]):  # a Mapping torch left a leaf
+        flat, _ = pytree.tree_flatten_with_path(tree)
     return [(name + keystr(path), leaf) for path, leaf in flat]
 
 

@@ -37,7 +37,8 @@ def check_inputs(step, args: tuple, specs: list[P], mesh: _mesh.Mesh, axes) -> N
     for over, group in _replication.replicated_groups(named, specs, mesh):
         problem = _replication.mismatch(group, mesh.group(over))
         if problem:
-            raise ValueError(step.replicated_input_error(problem, over, axes, len(args)))
+            seeded = _replication.seeds_differ(mesh.group(over))  # every rank is here
+            raise ValueError(step.replicated_input_error(problem, over, axes, len(args), seeded))
 
 
 def check_outputs(step, out: Any, mesh: _mesh.Mesh, axes, typed_problem) -> None:

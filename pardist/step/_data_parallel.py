@@ -58,18 +58,28 @@ class _DataParallelStep(Step):
             self.where, self.fn, named, specs, sharded, axes, mesh.group(axes), debug_enabled()
         )
 
-    def replicated_input_error(self, problem: str, over: tuple, axes: tuple, nargs: int) -> str:
+    def replicated_input_error(
+        self, problem: str, over: tuple, axes: tuple, nargs: int, seeded: bool = False
+    ) -> str:
         axis = self.axis if isinstance(self.axis, str) else tuple(self.axis)
         hint = ""
         if self.in_specs is None:
             hint = " " + " ".join(_batchcheck.default_specs(self.fn, nargs, axes))
+        fix = (
+            "Build them the same way on every rank (seed before creating the model: "
+            "pardist.seed_everything(0)), or copy rank 0's values with pardist.broadcast(tree)"
+        )
+        if seeded:  # DDP copies rank 0's weights when it wraps; pardist wraps nothing
+            fix = (
+                "The ranks were seeded differently (torch.initial_seed() differs), so each "
+                "built its own model: copy rank 0's values once, after building them, with "
+                "params = pardist.broadcast(params) (what DDP does when it wraps a model), or "
+                "seed every rank alike before creating the model"
+            )
         return (
             f"{self.where}: replicated inputs must be identical on every rank of axis "
-            f"{axis if set(over) <= set(axes) else over!r}, but "
-            f"{problem}. Build them the same way on every rank (seed before creating the "
-            "model: pardist.seed_everything(0)), or copy rank 0's values with "
-            "pardist.broadcast(tree); if the input is a per-rank shard, give it a sharded spec "
-            "such as P('gpu') in in_specs." + hint
+            f"{axis if set(over) <= set(axes) else over!r}, but {problem}. {fix}; if the "
+            "input is a per-rank shard, give it a sharded spec such as P('gpu') in in_specs." + hint
         )
 
     def replicated_output_error(self, problem: str, over: tuple, axes: tuple) -> str:

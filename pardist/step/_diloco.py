@@ -48,6 +48,10 @@ class DiLoCoState(NamedTuple):
     count: torch.Tensor
 
 
+# A state is data: torch.load(weights_only=True) reads a torch.save of it (issue 48).
+torch.serialization.add_safe_globals([DiLoCoState])
+
+
 class DiLoCo(NamedTuple):
     """``init(params, inner_state) -> state``; ``step(state, *args) -> (state, *out)``, where
     ``out`` is what the inner step returned after its params and state (its loss).

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["fingerprint", "layout_mismatch", "mismatch", "replicated_groups"]
+__all__ = ["fingerprint", "layout_mismatch", "mismatch", "replicated_groups", "seeds_differ"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -149,3 +149,11 @@ def replicated_groups(named: list, specs: list, mesh) -> list:
         if over and not isinstance(leaf, DTensor):
             groups.setdefault(over, []).append((path, leaf))
     return sorted(groups.items())
+
+
+def seeds_differ(group: dist.ProcessGroup) -> bool:
+    """Whether torch's seed differs between the ranks of ``group`` (a script that seeds
+    each rank with its own number builds a different model on each); every rank calls it."""
+    seeds: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(seeds, torch.initial_seed(), group=group)
+    return len(set(seeds)) > 1

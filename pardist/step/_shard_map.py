@@ -120,7 +120,9 @@ class Step:
     def check_batches(self, named: list, specs: list, sharded: list, mesh, axes) -> None:
         """Checks of the data shards on a checked call (data_parallel's: not all the same)."""
 
-    def replicated_input_error(self, problem: str, over: tuple, axes: tuple, nargs: int) -> str:
+    def replicated_input_error(
+        self, problem: str, over: tuple, axes: tuple, nargs: int, seeded: bool = False
+    ) -> str:
         return (
             f"{self.where}: inputs whose in_specs split no dim over {over} are replicated over "
             f"them and must be identical on every rank of them, but {problem}. Build them the "
