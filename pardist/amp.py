@@ -73,11 +73,16 @@ def dynamic_loss_scale(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
+    *,
+    enabled: bool = True,
 ) -> DynamicLossScale:
     """The dynamic loss scale of ``torch.amp.GradScaler``, as pure functions.
 
     Args:
         init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler.
+        enabled: False makes every function a no-op (a scale of 1 that never changes,
+            every step finite, no collective), as ``GradScaler(enabled=False)``: one
+            script for float16 and for the dtypes that need no scaling.
 
     Returns:
         A :class:`DynamicLossScale`. ``unscale(grads, state)`` returns the
@@ -94,7 +99,16 @@ def dynamic_loss_scale(
     """
 
     def init_fn() -> LossScaleState:
-        return LossScaleState(torch.tensor(float(init_scale)), torch.zeros((), dtype=torch.int64))
+        first = float(init_scale) if enabled else 1.0
+        return LossScaleState(torch.tensor(first), torch.zeros((), dtype=torch.int64))
+
+    if not enabled:
+        return DynamicLossScale(
+            init_fn,
+            lambda loss, state: loss,
+            lambda grads, state: (grads, True),
+            lambda state, finite: state,
+        )
 
     def scale_fn(loss, state: LossScaleState):
         ctx = current_step()

@@ -23,6 +23,15 @@ def test_loss_scale_follows_grad_scaler_rule():
     assert not finite
 
 
+def test_a_disabled_loss_scale_changes_nothing():
+    scaler = pardist.amp.dynamic_loss_scale(enabled=False)
+    state = scaler.init()
+    loss, grads = torch.tensor(3.0), {"w": torch.tensor([float("inf"), 2.0])}
+    assert scaler.scale(loss, state) is loss
+    assert scaler.unscale(grads, state) == (grads, True)  # as GradScaler(enabled=False) steps
+    assert scaler.adjust(state, False) is state and float(state.scale) == 1.0
+
+
 def _fp16_training(poison_step: int):
     apply, params, _ = pardist.functional(helpers.mlp())
     opt = pardist.optim.sgd(0.1, momentum=0.9)

@@ -157,6 +157,30 @@ def test_steps_per_update_follows_a_scheduler_stepped_per_process():
         state = {0: state[0]._replace(count=state[0].count + 1), "untouched": ()}
 
 
+def test_a_rate_set_by_hand_every_update():
+    """nanoGPT's loop sets every group's lr to get_lr(it) before each step."""
+    model, twin = _model(), _model()
+    torch_opt = OPTIMIZERS["adamw"](_groups(model, lr=0.003))
+
+    def get_lr(it: int) -> float:
+        return 0.01 * (it + 1) / 3 if it < 2 else 0.01 / (it + 1)
+
+    for t in range(STEPS):
+        for group in torch_opt.param_groups:
+            group["lr"] = get_lr(t)
+        x, y = _batch(t)
+        F.cross_entropy(model(x), y).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+    opt = optim.from_torch(OPTIMIZERS["adamw"](_groups(twin, lr=0.003)), twin, get_lr)
+    _, params, _ = pardist.functional(twin)
+    state = opt.init(params)
+    for t in range(STEPS):
+        assert optim.current_lr(opt, state) == {0: get_lr(t), 1: get_lr(t)}
+        params, state = opt.update(pardist.grad(_loss(twin))(params, *_batch(t)), state, params)
+    assert_close64(params, dict(model.named_parameters()), "lr by hand")
+
+
 def test_parameters_no_group_holds_stay_as_they_are():
     model = _model()
     torch_opt = torch.optim.AdamW(model[3].parameters(), lr=0.1)  # only the head

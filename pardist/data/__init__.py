@@ -7,7 +7,15 @@ for exact evaluation lives here too (``pardist.gather``). May import
 """
 
 from pardist.data._gather import gather, gather_object
-from pardist.data._loader import Even, ShardedLoader, check_even, even, shard, untar
+from pardist.data._loader import (
+    Even,
+    ShardedLoader,
+    check_even,
+    even,
+    shard,
+    skip_first_batches,
+    untar,
+)
 
 __all__ = [
     "Even",
@@ -17,5 +25,6 @@ __all__ = [
     "gather",
     "gather_object",
     "shard",
+    "skip_first_batches",
     "untar",
 ]

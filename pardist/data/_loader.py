@@ -31,7 +31,7 @@ from pardist.data._download import untar
 from pardist.data._even import Even, check_even, even
 from pardist.runtime import _mesh, _placement, _process, _seed, debug_enabled
 
-__all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "untar"]
+__all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "skip_first_batches", "untar"]
 
 _WHERE = "pardist.data.shard"
 # DataLoader arguments that shard decides; every other one is copied from the loader.
@@ -295,6 +295,51 @@ class ShardedLoader:
             f"batch_size={self.batch_size}, batches={self.batches}, "
             f"shuffle={self.shuffle}, split_batches={self.split_batches})"
         )
+
+
+class _Skipping:
+    """The rest of a sharded loader's next pass, ``n`` batches in (``skip_first_batches``)."""
+
+    def __init__(self, loader: ShardedLoader, n: int):
+        self.loader, self.n = loader, n
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.n
+
+    def __iter__(self) -> Iterator:
+        self.loader._skip = (self.loader.epoch, self.n)
+        return iter(self.loader)
+
+
+def skip_first_batches(loader: ShardedLoader, num_batches: int = 0) -> Any:
+    """The next pass of ``loader`` without its first ``num_batches`` batches (Accelerate's
+    ``skip_first_batches``): what a run resumed part-way through an epoch iterates.
+
+    Its ``len()`` is the batches it yields, as Accelerate's; ``loader`` itself keeps the
+    epoch's length. A loader restored with ``load_state_dict`` (or in a checkpoint's tree)
+    skips what was done on its own and needs no call of this.
+
+    Example:
+        >>> import pardist
+        >>> from torch.utils.data import DataLoader
+        >>> loader = pardist.data.shard(DataLoader(list(range(8)), batch_size=2), 0, 1)
+        >>> rest = pardist.data.skip_first_batches(loader, 3)
+        >>> len(rest), [b.tolist() for b in rest], len(loader)
+        (1, [[6, 7]], 4)
+    """
+    if not isinstance(loader, ShardedLoader):
+        raise TypeError(
+            f"pardist.data.skip_first_batches: loader is a {type(loader).__name__}; pass a "
+            "pardist.data.shard(...) loader (or itertools.islice a plain iterable)."
+        )
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int):
+        raise TypeError(f"pardist.data.skip_first_batches: num_batches={num_batches!r}; an int.")
+    if not 0 <= num_batches <= len(loader):
+        raise ValueError(
+            f"pardist.data.skip_first_batches: num_batches={num_batches}, but an epoch of the "
+            f"loader has {len(loader)} batches; give 0 to {len(loader)}."
+        )
+    return _Skipping(loader, num_batches)
 
 
 def _as_loader(data: Any, batch_size, shuffle, drop_last, world_size: int) -> DataLoader:

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _vma
-from pardist.gradients import _microbatch, _perrank, _reduction
+from pardist.gradients import _lists, _microbatch, _perrank, _reduction
 from pardist.gradients._reduction import Reduction
 from pardist.runtime import StepContext, _tree, functorch, laid_out_like
 from pardist.sharding import _fsdp
@@ -44,6 +44,7 @@ class Call:
     carry_option: Any
     rows: int = -1
     need_value: bool = False
+    listed: Any = None  # accumulate='list': the micro-batches' arguments and weights
 
     def __init__(self, f, nums, has_aux, accumulate, mean, args, kwargs, where, flat, masks, carry):
         self.f, self.nums, self.has_aux, self.args, self.kwargs = f, nums, has_aux, args, kwargs
@@ -54,6 +55,13 @@ class Call:
     def micro_batches(self):
         """``(j, args, leaves of each argument)`` per micro-batch; a carried aux (see
         :meth:`took`) goes into the next."""
+        if self.listed is not None:  # each list argument's j-th entry, as it is
+            for j in range(self.accumulate):
+                margs = self.listed.args(self.args, j)
+                if self.carry is not None and j > 0:
+                    margs = (*margs[: self.carry], self._aux, *margs[self.carry + 1 :])
+                yield j, margs, [leaves for leaves, _ in self.flat]
+            return
         if self.accumulate == 1:
             yield 0, self.args, [leaves for leaves, _ in self.flat]
             return
@@ -75,6 +83,18 @@ class Call:
                 self.where,
             )  # fmt: skip
         self._aux = aux
+
+    def rank_value(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's loss from its micro-batches' (their mean, or the list's weighing)."""
+        if self.listed is not None:
+            return self.listed.value(values)
+        return values[0] if len(values) == 1 else torch.stack(values).mean()
+
+    def seed(self, j: int, value: torch.Tensor, seed: torch.Tensor | None):
+        """Micro-batch ``j``'s backward seed, weighed as the list of micro-batches says."""
+        if self.listed is None or self.listed.seeds[j] == 1.0:
+            return seed
+        return (torch.ones_like(value) if seed is None else seed) * self.listed.seeds[j]
 
     def aux(self, auxes: list) -> Any:
         return auxes[-1] if self.carry is not None else _microbatch.stack(auxes)
@@ -150,6 +170,8 @@ class _HandOver:
     reducer: Reducer | None = None
     carry = 0  # slot 0 carries the per-rank table, slots 1.. the statistics to average
     base = 0  # the first gradient's slot
+    pending: list = []  # the statistics the forward left to average (one pass, late)
+    rep_index: dict = {}  # a replicated leaf's index -> its gradient's index among them
 
     def __init__(self, ctx: StepContext, rep: list, divisor: float | None, empty: bool):
         self.ctx, self.rep, self.divisor, self.empty = ctx, rep, divisor, empty
@@ -214,23 +236,56 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     """(global value, aux, flat gradients) of one call inside a step."""
     k, replicated = call.accumulate, call.replicated
     rep = list(itertools.compress(leaves, replicated))
-    reduction = _reduction.choose(ctx, rep, k)
+    reduction = _reduction.choose(ctx, rep, k, call.listed is not None)
     # Buckets take the replicated leaves' gradients: their slots, by leaf index.
     positions = itertools.compress(itertools.count(), replicated)
     rep_index = dict(zip(positions, itertools.count())) if reduction.buckets else {}
     divisor = None
     if call.mean == "rows" and ctx.size > 1 and rep:
         divisor = _rows_divisor(ctx, rep, call.rows, exact=reduction.scatter)
-        weight = ctx.size / divisor  # 0.0 for a rank without rows
     # One pass with an all-reduce: the reducer is made after the forward, so that the
     # statistics the forward left to average (batch norm with sync_bn=False) ride in
     # the gradient buckets instead of costing a collective of their own.
-    hand, pending = _HandOver(ctx, rep, divisor, call.rows == 0), []
+    hand = _HandOver(ctx, rep, divisor, call.rows == 0)
+    hand.rep_index = rep_index
     if reduction.buckets and not reduction.late:
         hand.use(reduction, [], k)
     local: list = [None] * len(leaves)
     parts: list = [[None] * k for _ in leaves] if k > 1 else []  # split gradients, per micro-batch
     values, auxes = [], []
+    if call.listed is not None:  # ranks with more micro-batches than others: no collective
+        ctx.call.uneven = _lists.agree(call.listed, ctx, call.where)
+    try:
+        _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, auxes)
+    finally:
+        ctx.call.uneven = None
+    reduced = hand.reducer.finish() if hand.reducer is not None else []
+    for m, t in enumerate(hand.pending):
+        t.copy_(reduced[1 + m])  # the averaged statistics, into the tensors apply returned
+    value, counts = _value(call, ctx, hand, reduced, values)
+    if value is not values[0]:
+        _vma.mean_over_data(value, values[0])  # the loss averaged over the data axes
+    factor = _correction(ctx, hand, counts)
+    grads = call.combine(local, parts, leaves, replicated if hand.reducer is not None else None)
+    for i, t in enumerate(leaves) if hand.reducer is not None else ():
+        if replicated[i]:
+            g = reduced[hand.base + hand.rep_index[i]]
+            if factor != 1.0:
+                g = g * factor  # out of place: shared-memory buckets are every rank's
+            grads[i] = _reduction.Scatter.as_shard(g, t, ctx) if reduction.scatter else g
+    return value, call.aux(auxes), _vma.typed_like(grads, leaves)
+
+
+def _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, auxes) -> None:
+    """Forward and backward of each micro-batch, their gradients to the reducer or kept."""
+    k, replicated, rep_index, divisor = (
+        call.accumulate,
+        call.replicated,
+        hand.rep_index,
+        hand.divisor,
+    )
+    weight = ctx.size / divisor if divisor is not None else 1.0  # 0.0 for a rank without rows
+    rep = list(itertools.compress(leaves, replicated))
     for j, margs, mleaves in call.micro_batches():
         if hand.reducer is not None and j == k - 1:
             hand.reducer.last_micro_batch()
@@ -245,18 +300,18 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
         value, aux = split_value(out, call.has_aux, call.where)
         if reduction.late:
-            pending = ctx.call.pending_means[mark:]
+            hand.pending = ctx.call.pending_means[mark:]
             del ctx.call.pending_means[mark:]
-            hand.use(reduction, pending, 1)
+            hand.use(reduction, hand.pending, 1)
         values.append(value.detach())
         # Where buckets reduce during the backward, the reducer takes each gradient the
         # moment autograd produces it; else all of them after it (no hooks).
         hooked = hand.reducer is not None and hand.reducer.overlaps()
         first, after = [], []  # (slot, tensor, divisor) before the gradients; (slot, gradient)
         if hand.carry and j == k - 1:
-            mine = values[0] if k == 1 else torch.stack(values).mean()
+            mine = call.rank_value(values)
             first = [(0, hand.table.encode(mine, call.rows, rep[0].dtype), 1)]
-            first += [(1 + m, t, ctx.size) for m, t in enumerate(pending)]
+            first += [(1 + m, t, ctx.size) for m, t in enumerate(hand.pending)]
             if hooked:  # before the last backward, which launches buckets
                 for slot, t, by in first:
                     hand.reducer.add(slot, t, divisor=by)
@@ -271,9 +326,10 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
                 # whose mean the reducer takes). In the seed, not on the gradients, so
                 # that cross-rank backwards (sync batch norm) see one weighted objective.
                 seed = (torch.ones_like(value) if seed is None else seed) * weight
+            seed = call.seed(j, value, seed)  # a list's micro-batch: its own weight
             got = torch.autograd.grad(value, inputs, seed, allow_unused=True)
             if hand.reducer is None and divisor is None and k == 1:
-                local = list(got)  # one pass, nothing to bucket or weigh: as autograd gave
+                local[:] = got  # one pass, nothing to bucket or weigh: as autograd gave
                 got = ()
             for i, g in enumerate(got):
                 if g is None:
@@ -297,21 +353,6 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
             gone = {id(x) for x in _tree.tree_leaves(aux)}
             ctx.call.pending_means[:] = [t for t in ctx.call.pending_means if id(t) not in gone]
         auxes.append(aux)
-    reduced = hand.reducer.finish() if hand.reducer is not None else []
-    for m, t in enumerate(pending):
-        t.copy_(reduced[1 + m])  # the averaged statistics, into the tensors apply returned
-    value, counts = _value(call, ctx, hand, reduced, values)
-    if value is not values[0]:
-        _vma.mean_over_data(value, values[0])  # the loss averaged over the data axes
-    factor = _correction(ctx, hand, counts)
-    grads = call.combine(local, parts, leaves, replicated if hand.reducer is not None else None)
-    for i, t in enumerate(leaves) if hand.reducer is not None else ():
-        if replicated[i]:
-            g = reduced[hand.base + rep_index[i]]
-            if factor != 1.0:
-                g = g * factor  # out of place: shared-memory buckets are every rank's
-            grads[i] = _reduction.Scatter.as_shard(g, t, ctx) if reduction.scatter else g
-    return value, call.aux(auxes), _vma.typed_like(grads, leaves)
 
 
 def compute_local(call: Call, leaves: list) -> tuple[torch.Tensor, Any, list]:
@@ -324,6 +365,8 @@ def compute_local(call: Call, leaves: list) -> tuple[torch.Tensor, Any, list]:
     local: list = [None] * len(leaves)
     parts: list = [[None] * k for _ in leaves] if k > 1 else []  # split gradients, per micro-batch
     values, auxes = [], []
+    if call.listed is not None:
+        _lists.agree(call.listed, None, call.where)  # (raises where the list is empty)
     for j, margs, mleaves in call.micro_batches():
         inputs = [t.detach().requires_grad_() for n in call.nums for t in mleaves[n]]
         with torch.enable_grad():
@@ -332,7 +375,8 @@ def compute_local(call: Call, leaves: list) -> tuple[torch.Tensor, Any, list]:
         values.append(value.detach())
         got = [None] * len(inputs)
         if value.requires_grad:
-            got = torch.autograd.grad(value, inputs, allow_unused=True)
+            seed = call.seed(j, value, None)
+            got = torch.autograd.grad(value, inputs, seed, allow_unused=True)
         for i, g in enumerate(got):
             if g is not None and call.split[i] and k > 1:
                 parts[i][j] = g
@@ -341,8 +385,7 @@ def compute_local(call: Call, leaves: list) -> tuple[torch.Tensor, Any, list]:
         aux = _detached(aux)
         call.took(j, aux)
         auxes.append(aux)
-    value = values[0] if k == 1 else torch.stack(values).mean()
-    return value, call.aux(auxes), call.combine(local, parts, leaves)
+    return call.rank_value(values), call.aux(auxes), call.combine(local, parts, leaves)
 
 
 def _detached(aux: Any) -> Any:
@@ -356,7 +399,7 @@ def _detached(aux: Any) -> Any:
 
 def _value(call: Call, ctx: StepContext, hand: _HandOver, reduced: list, values: list):
     """The global loss (reported if not finite) and every rank's row count (or None)."""
-    mine = values[0] if len(values) == 1 else torch.stack(values).mean()
+    mine = call.rank_value(values)
     if hand.carry:
         everyone, counts = hand.table.decode(reduced[0])
     elif ctx.size > 1 and call.need_value:

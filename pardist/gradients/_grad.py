@@ -33,6 +33,7 @@ from pardist.gradients import (
     _bucketed,
     _depends,
     _deterministic,
+    _lists,
     _microbatch,
     _nested,
     _perrank,
@@ -66,9 +67,14 @@ def _argnums_tuple(argnums: int | tuple[int, ...], nargs: int, where: str) -> tu
     return tuple(n % nargs for n in nums)
 
 
-def _check_options(accumulate: int, mean: str, where: str) -> None:
-    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        raise ValueError(f"{where}: accumulate={accumulate!r}; give a number of micro-batches.")
+def _check_options(accumulate: int | str, mean: str, where: str) -> None:
+    if accumulate != _lists.LIST and (
+        isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1
+    ):
+        raise ValueError(
+            f"{where}: accumulate={accumulate!r}; give a number of micro-batches to split the "
+            "batch into, or 'list' for a batch given as a list of micro-batches."
+        )
     if mean not in _MEANS:
         raise ValueError(
             f"{where}: mean={mean!r}; use 'ranks' (each rank's gradient counts equally, as "
@@ -99,6 +105,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     ctx = current_step()
     mode = ctx.mode if ctx is not None else ALONE
     k, mean = options["accumulate"], options["mean"]
+    kind, listed = mean, k == _lists.LIST  # (mean='tokens' differentiates sums: 'ranks' below)
     flat = [_tree.tree_flatten(a) for a in args]
     leaves = _differentiated(args, flat, nums, where)
     if mode.alone and k == 1 and mean == "ranks" and _plain(options, leaves):
@@ -115,9 +122,18 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
         mean = "ranks"
     weighted = mean == "rows" and ctx is not None and ctx.size > 1
     groups = mode.groups
-    masks = _microbatch.batch_masks(
-        flat, nums, options["batch_argnums"], ctx, where, strict=k > 1 or weighted or groups
-    )
+    # (a rank whose list is empty holds no batch to check: every rank learns of it below)
+    strict = _lists.holds_some(args, nums) if listed else k > 1 or weighted or bool(groups)
+    masks = _microbatch.batch_masks(flat, nums, options["batch_argnums"], ctx, where, strict)
+    lists = _lists.listed(args, flat, masks, nums, kind, where) if listed else None
+    if lists is not None:
+        k = lists.k  # this rank's micro-batches (others may have more or fewer)
+        if groups:
+            raise ValueError(
+                f"{where}: the deterministic mode runs the batch as {groups} row groups of "
+                "equal rows; it takes no list of micro-batches (accumulate='list'). Give the "
+                "whole batch, or drop deterministic=."
+            )
     carry = _microbatch.check_carry(options["carry"], len(args), nums, masks, has_aux, where)
     split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
     # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
@@ -148,7 +164,11 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     f = _depends.watched(f, nums, has_aux, where)  # model(x) instead of apply: an error
     call = Call(f, nums, has_aux, k, mean, args, kwargs, where, flat, masks, carry)
     call.split, call.replicated, call.carry_option = split, replicated, options["carry"]
-    call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
+    if lists is not None:
+        call.rows = -1 if -1 in lists.rows else sum(lists.rows)
+    else:
+        call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
+    call.listed = lists
     call.need_value = options["need_value"]
     value, aux, grads = mode.run("grad", call, ctx, leaves)
     if counts is not None:
@@ -249,7 +269,12 @@ def grad(
         has_aux: ``f`` returns ``(value, aux)``; the result is then ``(grads, aux)``.
         accumulate: split the batch into this many micro-batches (along dim 0,
             with einops) and run them one after another, reducing once: the
-            result equals one pass over the whole batch, in less memory.
+            result equals one pass over the whole batch, in less memory. Or
+            ``'list'``: the batch argument is a list of micro-batches, each a tree of
+            its own shapes (padded text, each padded to its own longest row; the last
+            one shorter; fewer on a rank whose loader ran out), and ``f`` runs on
+            each in turn, weighed as one process running the same micro-batches
+            would weigh them (see ``mean``), with one reduction per update.
         batch_argnums: the argument(s) holding the batch, which ``accumulate``
             splits. Default: inside a step, every tensor that holds this rank's
             shard of the step's batch (by the step's ``in_specs``), in whichever

@@ -94,6 +94,12 @@ def compute(call: Call, ctx, leaves: list):
     Here the value stays differentiable (an outer transform may differentiate
     through it), so it is averaged by a differentiable collective.
     """
+    if call.listed is not None:
+        raise ValueError(
+            f"{call.where}: accumulate='list' runs inside another torch.func transform here "
+            "(vmap, grad, jacrev), which pardist does not weigh micro-batches in; call it "
+            "outside the transform, or give one batch (accumulate=k splits it)."
+        )
     groups = ctx.mesh.groups(ctx.axis) if ctx is not None and ctx.size > 1 else []
     divisor, total = None, 0
     if groups and call.mean == "rows":

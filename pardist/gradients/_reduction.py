@@ -131,13 +131,14 @@ _LOCAL, _ACCUMULATE, _SCATTER = Local(), Accumulate(), Scatter()
 _ALL_REDUCE = {True: AllReduce(late=True), False: AllReduce(late=False)}
 
 
-def choose(ctx: StepContext, rep: list, accumulate: int) -> Reduction:
+def choose(ctx: StepContext, rep: list, accumulate: int, listed: bool = False) -> Reduction:
     """The reduction for the replicated leaves ``rep`` of a call with ``accumulate``
-    micro-batches, in step ``ctx``."""
+    micro-batches, in step ``ctx``. A list of micro-batches (``listed``) takes the same
+    reduction whatever this rank's count (another rank's may differ)."""
     if not rep or (ctx.size == 1 and accumulate == 1):
         return _LOCAL
     if ctx.size == 1:
         return _ACCUMULATE
     if ctx.scatter and signature(rep) in ctx.scatter:  # a sharded optimizer takes these
         return _SCATTER
-    return _ALL_REDUCE[accumulate == 1]
+    return _ALL_REDUCE[accumulate == 1 and not listed]

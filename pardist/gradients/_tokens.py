@@ -104,7 +104,8 @@ def weigh(value, grads: list, leaves: list, call: Any, ctx: StepContext | None, 
             "add up to 0 over every rank and micro-batch): the mean over no tokens is "
             "undefined. Skip such a batch on every rank, or check the labels' padding value."
         )
-    k = call.accumulate
+    # Micro-batches of a list were seeded with their count (each a sum), else averaged.
+    k = 1 if call.listed is not None else call.accumulate
     size = ctx.size if ctx is not None else 1
     means = size * k / total  # averaged over ranks and micro-batches: undone, then / count
     out = []

@@ -42,6 +42,11 @@ def _global(table: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
 
 def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, Any, list]:
     """(value, aux, flat grads in ``leaves``' order); the value is global for value_and_grad."""
+    if call.listed is not None:
+        raise NotImplementedError(
+            f"{call.where}: accumulate='list' runs micro-batches of other shapes at every "
+            "update, which one graph cannot hold without recompiling; the step runs eagerly"
+        )
     plan, k, replicated = mode.plan, call.accumulate, call.replicated
     reduce = ctx.size > 1 and any(replicated)
     if call.mean == "rows" and reduce:

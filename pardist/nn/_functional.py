@@ -27,6 +27,7 @@ from pardist.runtime import (
     _placement,
     _tree,
     clone_all,
+    collective_starts,
     current_step,
 )
 from pardist.sharding import _apply, _units
@@ -274,7 +275,9 @@ def functional(
 @Eager.register("batch_stats")
 def _pending(mode, ctx, stats: dict, new_buffers: dict, skeleton, where: str) -> None:
     # Averaged by the end of the step, in place: with the gradients if pardist.grad
-    # runs, else on their own (see data_parallel).
+    # runs, else on their own (see data_parallel). Ranks that ran different numbers of
+    # micro-batches counted different batches: their buffers cannot agree.
+    collective_starts("batch norm's running statistics, which the ranks average")
     ctx.call.pending_means.extend(stats.values())
 
 

@@ -197,6 +197,8 @@ def from_torch(
         scheduler: a torch learning-rate scheduler of ``optimizer`` (``LambdaLR``,
             transformers' ``get_*_schedule_with_warmup``, any other), stepped once per
             update by the optimizer's own count: the loop no longer calls its ``step()``.
+            Or a function ``update -> lr`` for every group, as a loop that sets each
+            ``param_group["lr"]`` by hand (nanoGPT's ``get_lr``) has it.
         steps_per_update: scheduler steps per update. Accelerate steps a prepared
             scheduler once per process each update (without ``split_batches``); pass
             ``pardist.world_size()`` to follow an Accelerate run's rates.
@@ -239,10 +241,16 @@ def from_torch(
             "from_torch(optimizer, model, scheduler).",
             stacklevel=2,
         )
-    replay = None if scheduler is None else _Replay(scheduler, optimizer, steps_per_update)
+    by_hand = callable(scheduler) and not hasattr(scheduler, "optimizer")  # count -> lr
+    replay = None
+    if scheduler is not None and not by_hand:
+        replay = _Replay(scheduler, optimizer, steps_per_update)
     transforms: dict[Any, Optimizer] = {}
     for i, group in enumerate(optimizer.param_groups):
-        lr = _number(group["lr"]) if replay is None else _rate(replay, i)
+        if by_hand:  # one rate for every group, as a loop setting param_group["lr"] has it
+            lr = _every(scheduler, steps_per_update)
+        else:
+            lr = _number(group["lr"]) if replay is None else _rate(replay, i)
         transforms[i] = _group_optimizer(kind, group, lr, i)
     transforms[_UNTOUCHED] = _keep()
     label = {f"[{name!r}]": i for i, group in enumerate(names) for name in group}
@@ -252,6 +260,16 @@ def from_torch(
 
     inner = multi_transform(transforms, labels)
     return Optimizer(inner.init, _Converted(inner.update, kind, names, optimizer, model), inner.lr)
+
+
+def _every(schedule: Any, steps: int):
+    if steps == 1:
+        return schedule
+
+    def lr(count: int) -> float:
+        return schedule(count * steps)
+
+    return lr
 
 
 def _rate(replay: _Replay, group: int):

@@ -22,6 +22,7 @@ __all__ = [
     "CallState",
     "Ids",
     "StepContext",
+    "collective_starts",
     "compiled_plan",
     "current_mode",
     "current_step",
@@ -46,6 +47,16 @@ class CallState:
         # A dynamic loss scale ran in this step: it skips non-finite steps itself, so
         # pardist.grad does not report them.
         self.loss_scaled = False
+        # Set while the ranks run different numbers of micro-batches (accumulate='list'):
+        # the error a collective inside them raises (its name fills in {name}).
+        self.uneven: str | None = None
+
+
+def collective_starts(name: str) -> None:
+    """A collective is about to run: an error where the ranks cannot all be in it."""
+    ctx = _active[-1] if _active else None
+    if ctx is not None and ctx.call.uneven is not None:
+        raise ValueError(ctx.call.uneven.format(name=name))
 
 
 @dataclasses.dataclass(frozen=True)

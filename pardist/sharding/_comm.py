@@ -37,7 +37,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import GroupRef, storage_holders
+from pardist.runtime import GroupRef, collective_starts, storage_holders
 from pardist.transport import (
     ALIGN,
     SharedMemoryGroup,
@@ -163,6 +163,7 @@ class Transport:
     # -- all-gather ---------------------------------------------------------------------------
     def start_gather(self, layout: Layout, tag: int, shards: list[torch.Tensor]) -> _Pending:
         """Start gathering a unit from this rank's flat shards (finish with :meth:`finish`)."""
+        collective_starts("pardist.fsdp's parameter gather")
         if self.slots:
             shared = self._gather_shared(layout, tag, shards)
             if shared is not None:

@@ -111,6 +111,9 @@ def check_distinct(
     ]
     if size == 1 or not leaves:
         return
+    counts = _gather.all_gather_ints([len(leaves)], group)  # (lists of micro-batches vary)
+    if any(c != [len(leaves)] for c in counts):
+        return  # other leaves on another rank: not the same batch
     mine = [len(leaves)]
     for _, t, spec in leaves:
         s1, s2, constant = _fingerprint(t)

@@ -25,7 +25,8 @@ __all__ = ["check_inputs", "check_outputs", "typed_outputs"]
 def check_inputs(step, args: tuple, specs: list[P], mesh: _mesh.Mesh, axes) -> None:
     """Every rank passes the same specs and block shapes; replicated inputs agree."""
     named = _tree.leaves_with_paths(args, "args")
-    problem = _replication.layout_mismatch(named, specs, mesh, axes)
+    lists = frozenset(i for i, a in enumerate(args) if type(a) is list)
+    problem = _replication.layout_mismatch(named, specs, mesh, axes, lists)
     if problem:
         raise ValueError(
             f"{step.where}: the ranks disagree on the layout of their inputs: {problem}. "

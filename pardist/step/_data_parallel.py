@@ -74,7 +74,7 @@ class _DataParallelStep(Step):
                 "The ranks were seeded differently (torch.initial_seed() differs), so each "
                 "built its own model: copy rank 0's values once, after building them, with "
                 "params = pardist.broadcast(params) (what DDP does when it wraps a model), or "
-                "seed every rank alike before creating the model"
+                "seed every rank alike before creating the model (pardist.seed_everything(0))"
             )
         return (
             f"{self.where}: replicated inputs must be identical on every rank of axis "

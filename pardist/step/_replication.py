@@ -101,11 +101,20 @@ def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | No
     return None
 
 
-def layout_mismatch(named: list, specs: list, mesh, axes) -> str | None:
-    """Compare specs and non-data block shapes across every rank of the mesh."""
+def layout_mismatch(
+    named: list, specs: list, mesh, axes, lists: frozenset = frozenset()
+) -> str | None:
+    """Compare specs and non-data block shapes across every rank of the mesh.
+
+    ``lists``: the positions of arguments that are lists; where one holds data shards
+    (a list of micro-batches), its length may differ per rank (a loader that ran out)
+    and only what each entry holds is compared.
+    """
     if mesh.size(mesh.axis_names) == 1:
         return None
     data = set(axes)
+    if lists:
+        named, specs = _entries_alike(named, specs, lists, data)
 
     def block(leaf: Any, spec) -> tuple | None:
         if not isinstance(leaf, torch.Tensor) or not set(spec.axes) - data:
@@ -135,6 +144,21 @@ def layout_mismatch(named: list, specs: list, mesh, axes) -> str | None:
                     f"{spec1}{shape(block1)} on rank {r}"
                 )
     return None
+
+
+def _entries_alike(named: list, specs: list, lists: frozenset, data: set) -> tuple[list, list]:
+    """The data leaves of list arguments as ``args[i][*]...``, once per path."""
+    out, seen = [], set()
+    for (path, leaf), spec in zip(named, specs):
+        head, _, rest = path.partition("][")
+        if head.startswith("args[") and rest and set(spec.axes) & data:
+            if int(head[5:]) in lists:
+                path = f"{head}][*]" + rest.partition("]")[2]
+                if path in seen:
+                    continue
+                seen.add(path)
+        out.append(((path, leaf), spec))
+    return [e[0] for e in out], [e[1] for e in out]
 
 
 def replicated_groups(named: list, specs: list, mesh) -> list:

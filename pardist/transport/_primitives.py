@@ -25,7 +25,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, debug_enabled
+from pardist.runtime import _faults, collective_starts, debug_enabled
 from pardist.transport import _shmgroups
 
 __all__ = [
@@ -50,6 +50,7 @@ def _shared(x: torch.Tensor, group):
 
 def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
     """A reduced copy of ``x``: via shared memory for CPU ranks on one host, else the backend."""
+    collective_starts(f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}")
     y = x.detach().clone(memory_format=torch.contiguous_format)
     for group in groups:
         small = y.device.type == "cpu" and y.numel() * y.element_size() <= _shmgroups.SMALL_BYTES
@@ -101,6 +102,7 @@ def agree(name: str, x: torch.Tensor, group) -> None:
 
 
 def gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
+    collective_starts("pardist.all_gather")
     shm = _shared(x, group)
     parts = shm.all_gather(x) if shm is not None else None
     if parts is None:
@@ -157,6 +159,7 @@ def _psum_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if _linked(group):
         return group.psum_scatter(x, dim)
     size = dist.get_world_size(group)
+    collective_starts("pardist.psum_scatter")
     if _shared(x, group) is not None:  # shared memory: an all-reduce is the fast path
         total = reduce(x, [group], "sum")
         block = total.shape[dim] // size
@@ -176,6 +179,7 @@ def _pscatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> torch.Tensor:
+    collective_starts("pardist.all_to_all")
     size, me = dist.get_world_size(group), dist.get_rank(group)
     blocks = x.movedim(split_dim, 0)
     blocks = blocks.reshape(size, blocks.shape[0] // size, *blocks.shape[1:]).contiguous()

@@ -1,0 +1,173 @@
+"""Train a small causal LM with Hugging Face Accelerate, the way its examples do.
+
+    python examples/porting/lm_accelerate.py      # lm_pardist.py: the port to pardist
+    torchrun --standalone --nproc_per_node=2 examples/porting/lm_accelerate.py
+
+Lines of Python's own source are the text (no download), tokenized by a word-level
+tokenizer built here and padded per micro-batch into Hugging Face batches. Gradients
+accumulate over --grad-accum micro-batches with a token-weighted loss (Accelerate's
+"gradient accumulation for autoregressive models" example: every token of the update
+counts once), the learning rate warms up and decays linearly, the evaluation loss is
+gathered per batch with gather_for_metrics, and the state is saved every
+--checkpointing-steps micro-batches and resumed with --resume-from-checkpoint.
+docs/porting.md counts the lines the port changes.
+"""
+
+import argparse
+import contextlib
+import inspect
+import os
+
+import torch
+import transformers as tf
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.utils.data import DataLoader
+
+
+def get_dataloaders(accelerator, args):
+    sources = "".join(inspect.getsource(m) for m in (argparse, contextlib, inspect))
+    lines = [line.strip() for line in sources.splitlines() if len(line.split()) >= 3]
+    lines = lines[: args.max_lines]
+    words = sorted({word for line in lines for word in line.split()})
+    vocab = {"[PAD]": 0, "[UNK]": 1, **{word: i + 2 for i, word in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="[PAD]", unk_token="[UNK]"
+    )
+    with accelerator.main_process_first():  # (datasets' map would cache it here)
+        encoded = tokenizer(lines, truncation=True, max_length=args.max_length)["input_ids"]
+    split = len(encoded) * 9 // 10
+
+    def collate_fn(examples):  # each micro-batch padded to its own longest line
+        batch = tokenizer.pad([{"input_ids": e} for e in examples], return_tensors="pt")
+        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        return batch
+
+    train = DataLoader(encoded[:split], args.batch_size, shuffle=False, collate_fn=collate_fn)
+    valid = DataLoader(encoded[split:], args.batch_size, shuffle=False, collate_fn=collate_fn)
+    return tokenizer, train, valid
+
+
+def training_function(args):
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, cpu=args.cpu)
+    set_seed(args.seed)
+    tokenizer, train_dataloader, eval_dataloader = get_dataloaders(accelerator, args)
+    config = tf.GPT2Config(
+        vocab_size=len(tokenizer), n_positions=args.max_length, n_embd=args.dim,
+        n_layer=args.layers, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = tf.GPT2LMHeadModel(config)
+    if args.dtype == "float64":
+        model = model.double()
+    no_decay = ("bias", "ln_")  # biases and layer norms take no weight decay
+    params = list(model.named_parameters())
+    groups = [
+        {
+            "params": [p for n, p in params if not any(k in n for k in no_decay)],
+            "weight_decay": 0.01,
+        },
+        {"params": [p for n, p in params if any(k in n for k in no_decay)], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr)
+    lr_scheduler = tf.get_linear_schedule_with_warmup(
+        optimizer, args.warmup, len(train_dataloader) * args.epochs // args.grad_accum
+    )
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+
+    overall_step, starting_epoch, resume_step = 0, 0, None
+    if args.resume_from_checkpoint:
+        accelerator.print(f"Resumed from checkpoint: {args.resume_from_checkpoint}")
+        accelerator.load_state(args.resume_from_checkpoint)
+        overall_step = int(os.path.basename(args.resume_from_checkpoint).replace("step_", ""))
+        starting_epoch = overall_step // len(train_dataloader)
+        resume_step = overall_step - starting_epoch * len(train_dataloader)
+    for epoch in range(starting_epoch, args.epochs):
+        model.train()
+        if resume_step is not None and epoch == starting_epoch:
+            active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_step)
+        else:
+            active_dataloader = train_dataloader
+        iterator = iter(active_dataloader)
+        for _ in range(len(active_dataloader) // args.grad_accum):
+            micro_batches = [next(iterator) for _ in range(args.grad_accum)]
+            # The tokens the loss is over: every micro-batch's, on every process.
+            local = sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches)
+            num_items_in_batch = accelerator.gather(local).sum().item()
+            losses = []
+            for i, batch in enumerate(micro_batches):
+                last = i == len(micro_batches) - 1 or accelerator.num_processes == 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    loss = model(**batch, num_items_in_batch=num_items_in_batch).loss
+                    # DDP averages over processes, Accelerate over micro-batches: undo both
+                    loss = loss * args.grad_accum * accelerator.num_processes
+                    accelerator.backward(loss)
+                    losses.append(loss.detach())
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+            overall_step += args.grad_accum
+            loss = accelerator.gather(sum(losses)).sum().item()
+            loss /= accelerator.num_processes * args.grad_accum
+            accelerator.print(f"epoch {epoch} step {overall_step}: loss {loss!r}")
+            if overall_step % args.checkpointing_steps == 0:
+                accelerator.save_state(os.path.join(args.output_dir, f"step_{overall_step}"))
+
+        model.eval()
+        losses = []
+        for batch in eval_dataloader:
+            with torch.no_grad():
+                outputs = model(**batch)
+            rows = len(batch["input_ids"])
+            losses.append(accelerator.gather_for_metrics(outputs.loss.detach().repeat(rows)))
+        accelerator.print(f"epoch {epoch}: eval loss {torch.cat(losses).mean().item()!r}")
+    accelerator.end_training()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=2, help="passes over the training lines")
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="lines per micro-batch and process"
+    )
+    parser.add_argument("--grad-accum", type=int, default=2, help="micro-batches per update")
+    parser.add_argument("--lr", type=float, default=3e-3, help="the peak learning rate")
+    parser.add_argument("--warmup", type=int, default=4, help="updates of linear warm-up")
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="clip the gradients' global norm to this"
+    )
+    parser.add_argument("--dim", type=int, default=64, help="the model's width")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument(
+        "--max-lines", type=int, default=640, help="lines of text to use (90%% train, 10%% eval)"
+    )
+    parser.add_argument("--max-length", type=int, default=64, help="tokens per line at most")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "float64"], help="the model's dtype"
+    )
+    parser.add_argument(
+        "--checkpointing-steps",
+        type=int,
+        default=16,
+        help="save the state every this many micro-batches",
+    )
+    parser.add_argument("--output-dir", default="out-lm", help="where the states go")
+    parser.add_argument(
+        "--resume-from-checkpoint",
+        default=None,
+        help="a saved state's folder (step_N) to resume from",
+    )
+    parser.add_argument(
+        "--cpu", action="store_true", help="train on the CPU (Accelerate's multi-CPU mode)"
+    )
+    parser.add_argument("--seed", type=int, default=42, help="the seed of the model's weights")
+    training_function(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
