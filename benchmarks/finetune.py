@@ -8,7 +8,7 @@ gradient checkpointing, in bf16, pardist's step against the loop it replaces.
 The reference is plain torch on one process (``loss.backward()``, torch's fused AdamW
 where the device has it) or DDP around the same loop at more ranks; pardist trains the
 same model from the same weights with ``data_parallel``, ``value_and_grad`` and its
-AdamW, donated. Both run under bf16 autocast with ``gradient_checkpointing_enable``
+AdamW, donated. Both run under bf16 autocast with ``activation_checkpointing_enable``
 (``use_reentrant=False``) and only the LoRA weights trainable, on the same batches,
 interleaved step by step. Prints milliseconds per step (medians over steps after a
 warm-up; CUDA-synchronised), the losses' largest relative difference, and how far
@@ -40,7 +40,7 @@ def build(args) -> torch.nn.Module:
         n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     model = tf.GPT2LMHeadModel(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True)
     model = peft.get_peft_model(model, lora).to(pardist.device())
     model.train()

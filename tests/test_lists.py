@@ -248,3 +248,12 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="mean='rows' weighs micro-batch 0 by its rows"):
         rows = pardist.grad(lambda p, b: f(p, b), accumulate="list", mean="rows")
         rows(params, [{"input_ids": batch["input_ids"], "labels": batch["labels"][:1]}])
+
+
+def test_a_compiled_step_says_it_runs_a_list_eagerly(world1):
+    apply, params, _ = pardist.functional(CausalLM().double())
+    vg = pardist.value_and_grad(loss_for(apply, "ranks"), accumulate="list")
+    with pytest.warns(UserWarning, match="accumulate='list' runs micro-batches of other shapes"):
+        value, grads = pardist.data_parallel(vg, compile=True)(params, rank_batches(1, 0))
+    want_loss, want = reference(1, "ranks")
+    assert_close64(_as_tree(value.item(), grads), _as_tree(want_loss, want))

@@ -192,17 +192,21 @@ def test_parameters_no_group_holds_stay_as_they_are():
         assert torch.equal(new[k], params[k]) != k.startswith("3."), k
 
 
+def _torch_steps(model, torch_opt, torch_sched, steps) -> None:
+    for t in steps:
+        F.cross_entropy(model(_batch(t)[0]), _batch(t)[1]).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
+        torch_sched.step()
+
+
 def test_a_torch_state_converts_and_back_mid_run():
     """A DDP-era checkpoint's optimizer state continues in pardist, and pardist's in torch."""
     for name, sched in [("adamw_amsgrad_maximize", "lambda"), ("sgd_momentum_wd", "step")]:
         model, twin = _model(), _model()
         torch_opt = OPTIMIZERS[name](_groups(model))
         torch_sched = SCHEDULERS[sched](torch_opt)
-        for t in range(3):  # three torch steps, then the checkpoint
-            F.cross_entropy(model(_batch(t)[0]), _batch(t)[1]).backward()
-            torch_opt.step()
-            torch_opt.zero_grad()
-            torch_sched.step()
+        _torch_steps(model, torch_opt, torch_sched, range(3))  # then the checkpoint
         saved = torch_opt.state_dict()
         twin.load_state_dict(model.state_dict())
         fresh = OPTIMIZERS[name](_groups(twin))
@@ -219,10 +223,7 @@ def test_a_torch_state_converts_and_back_mid_run():
         assert steps(back) == steps(saved)
         assert_close64(tensors(back), tensors(saved), f"{name}: round trip")
         for t in range(3, 6):  # both go on
-            F.cross_entropy(model(_batch(t)[0]), _batch(t)[1]).backward()
-            torch_opt.step()
-            torch_opt.zero_grad()
-            torch_sched.step()
+            _torch_steps(model, torch_opt, torch_sched, [t])
             params, state = opt.update(pardist.grad(_loss(twin))(params, *_batch(t)), state, params)
         assert_close64(params, dict(model.named_parameters()), f"{name}: after resuming")
         # and back: pardist's state continues in the torch optimizer of the DDP script
@@ -231,10 +232,7 @@ def test_a_torch_state_converts_and_back_mid_run():
             for k, p in model.named_parameters():
                 p.copy_(params[k])
         for t in range(6, 8):
-            F.cross_entropy(model(_batch(t)[0]), _batch(t)[1]).backward()
-            torch_opt.step()
-            torch_opt.zero_grad()
-            torch_sched.step()
+            _torch_steps(model, torch_opt, torch_sched, [t])
             params, state = opt.update(pardist.grad(_loss(twin))(params, *_batch(t)), state, params)
         assert_close64(params, dict(model.named_parameters()), f"{name}: back in torch")
 

@@ -202,6 +202,20 @@ def _keep(x: torch.Tensor, total: int, path: str, per_rank: list[int], size: int
     return x[:total]
 
 
+def _rows(loader: Any, batch: int) -> list[tuple[int, int]]:
+    """``(rows, real rows)`` of every rank's batch number ``batch`` of the epoch: the rows
+    after the real ones repeat the epoch's first samples (the ranks' shares are equal)."""
+    w, bs, n = loader.world_size, loader.batch_size, loader.n
+    if loader.split_batches:  # batch b of the padded order, cut in w slices of bs
+        starts = [batch * bs * w + r * bs for r in range(w)]
+        sizes = [bs] * w
+    else:  # rank r's piece is [r * samples, (r + 1) * samples) of the padded order
+        size = min(bs, loader.samples - batch * bs)
+        starts = [r * loader.samples + batch * bs for r in range(w)]
+        sizes = [size] * w
+    return [(m, max(0, min(m, n - start))) for start, m in zip(starts, sizes)]
+
+
 def gather_batch(loader: Any, tree: Any) -> Any:
     """``loader.gather(tree)``: the ranks' rows of ``loader``'s current batch, padding dropped."""
     where = "pardist.data.ShardedLoader.gather"
@@ -210,7 +224,7 @@ def gather_batch(loader: Any, tree: Any) -> Any:
             f"{where}: the loader has handed out no batch yet; call it inside the loop over "
             "the loader, with the outputs of the batch it just gave."
         )
-    rows = loader.rows(loader._position - 1)
+    rows = _rows(loader, loader._position - 1)
     axis = loader.axis if loader.axis is not None else _mesh.current_mesh("gather").axis_names
     if _mesh.current_mesh("gather").size(axis) != loader.world_size:
         raise ValueError(

@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
-from pardist.data import _even, _gather, _position
+from pardist.data import _even, _gather, _position, _sources
 from pardist.data._download import untar
 from pardist.data._even import Even, check_even, even
+from pardist.data._position import skip_first_batches
 from pardist.runtime import _mesh, _placement, _process, _seed, debug_enabled
 
 __all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "skip_first_batches", "untar"]
@@ -276,118 +276,11 @@ class ShardedLoader:
         """
         return _gather.gather_batch(self, tree)
 
-    def rows(self, batch: int) -> list[tuple[int, int]]:
-        """``(rows, real rows)`` of every rank's batch number ``batch`` of the epoch: the rows
-        after the real ones repeat the epoch's first samples (the ranks' shares are equal)."""
-        w, bs, n = self.world_size, self.batch_size, self.n
-        if self.split_batches:  # batch b of the padded order, cut in w slices of bs
-            starts = [batch * bs * w + r * bs for r in range(w)]
-            sizes = [bs] * w
-        else:  # rank r's piece is [r * samples, (r + 1) * samples) of the padded order
-            size = min(bs, self.samples - batch * bs)
-            starts = [r * self.samples + batch * bs for r in range(w)]
-            sizes = [size] * w
-        return [(m, max(0, min(m, n - start))) for start, m in zip(starts, sizes)]
-
     def __repr__(self) -> str:
         return (
             f"ShardedLoader(rank={self.rank}, world_size={self.world_size}, n={self.n}, "
             f"batch_size={self.batch_size}, batches={self.batches}, "
             f"shuffle={self.shuffle}, split_batches={self.split_batches})"
-        )
-
-
-class _Skipping:
-    """The rest of a sharded loader's next pass, ``n`` batches in (``skip_first_batches``)."""
-
-    def __init__(self, loader: ShardedLoader, n: int):
-        self.loader, self.n = loader, n
-
-    def __len__(self) -> int:
-        return len(self.loader) - self.n
-
-    def __iter__(self) -> Iterator:
-        self.loader._skip = (self.loader.epoch, self.n)
-        return iter(self.loader)
-
-
-def skip_first_batches(loader: ShardedLoader, num_batches: int = 0) -> Any:
-    """The next pass of ``loader`` without its first ``num_batches`` batches (Accelerate's
-    ``skip_first_batches``): what a run resumed part-way through an epoch iterates.
-
-    Its ``len()`` is the batches it yields, as Accelerate's; ``loader`` itself keeps the
-    epoch's length. A loader restored with ``load_state_dict`` (or in a checkpoint's tree)
-    skips what was done on its own and needs no call of this.
-
-    Example:
-        >>> import pardist
-        >>> from torch.utils.data import DataLoader
-        >>> loader = pardist.data.shard(DataLoader(list(range(8)), batch_size=2), 0, 1)
-        >>> rest = pardist.data.skip_first_batches(loader, 3)
-        >>> len(rest), [b.tolist() for b in rest], len(loader)
-        (1, [[6, 7]], 4)
-    """
-    if not isinstance(loader, ShardedLoader):
-        raise TypeError(
-            f"pardist.data.skip_first_batches: loader is a {type(loader).__name__}; pass a "
-            "pardist.data.shard(...) loader (or itertools.islice a plain iterable)."
-        )
-    if isinstance(num_batches, bool) or not isinstance(num_batches, int):
-        raise TypeError(f"pardist.data.skip_first_batches: num_batches={num_batches!r}; an int.")
-    if not 0 <= num_batches <= len(loader):
-        raise ValueError(
-            f"pardist.data.skip_first_batches: num_batches={num_batches}, but an epoch of the "
-            f"loader has {len(loader)} batches; give 0 to {len(loader)}."
-        )
-    return _Skipping(loader, num_batches)
-
-
-def _as_loader(data: Any, batch_size, shuffle, drop_last, world_size: int) -> DataLoader:
-    dataset = data.dataset if isinstance(data, DataLoader) else data
-    if isinstance(dataset, IterableDataset):
-        raise TypeError(
-            f"{_WHERE}: the dataset is an IterableDataset ({type(dataset).__name__}), which "
-            f"has no length to cut into {world_size} equal pieces. Split the stream yourself "
-            "in its __iter__ (e.g. keep every pardist.world_size()-th item, starting at "
-            "pardist.rank()), and wrap the loader in pardist.data.even(loader) so that ranks "
-            "yielding different numbers of batches raise instead of hanging."
-        )
-    if isinstance(data, DataLoader):
-        if isinstance(data.sampler, DistributedSampler):
-            raise ValueError(
-                f"{_WHERE}: the loader already has a DistributedSampler, so it is already "
-                "split over the ranks. Build it without one (shuffle=True or False) and let "
-                "shard split it."
-            )
-        if data.batch_size is None and batch_size is None:
-            raise ValueError(
-                f"{_WHERE}: the loader has no batch_size (it uses batch_sampler="
-                f"{type(data.batch_sampler).__name__} or batch_size=None), and shard batches "
-                "each rank's piece itself. Pass batch_size=... to shard."
-            )
-        return data
-    if not isinstance(data, Sized):
-        raise TypeError(
-            f"{_WHERE}: loader is a {type(data).__name__}, which has no len(). Pass a torch "
-            "DataLoader, a Dataset, or a sized sequence of samples with batch_size=..."
-        )
-    size = batch_size or getattr(data, "batch_size", None) or getattr(data, "bs", None)
-    if size is None:
-        raise ValueError(
-            f"{_WHERE}: loader is a {type(data).__name__} of samples with no batch size. "
-            "Pass batch_size=..., or a torch DataLoader."
-        )
-    dataset = getattr(data, "dataset", data)
-    dataset = dataset if hasattr(dataset, "__getitem__") else list(dataset)
-    return DataLoader(dataset, batch_size=size, shuffle=bool(shuffle), drop_last=bool(drop_last))
-
-
-def _check_rank(rank: Any, world_size: Any) -> None:
-    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size))
-    if not ok or world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(
-            f"{_WHERE}: rank={rank!r}, world_size={world_size!r}; need ints with "
-            "0 <= rank < world_size (or leave both out to use this process's)."
         )
 
 
@@ -466,8 +359,8 @@ def shard(
         rank, world_size = mesh.index(axis), mesh.size(axis)
     rank = _process.rank() if rank is None else rank
     world_size = _process.world_size() if world_size is None else world_size
-    _check_rank(rank, world_size)
-    torch_loader = _as_loader(loader, batch_size, shuffle, drop_last, world_size)
+    _sources.check_rank(rank, world_size)
+    torch_loader = _sources.as_loader(loader, batch_size, shuffle, drop_last, world_size)
     return ShardedLoader(
         torch_loader,
         rank,

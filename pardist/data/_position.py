@@ -13,9 +13,10 @@ between epochs any world size works.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["load", "state"]
+__all__ = ["load", "skip_first_batches", "state"]
 
 _WHERE = "pardist.data.shard"
 _ORDER = ("n", "seed", "shuffle")
@@ -88,3 +89,50 @@ def load(loader: Any, saved: dict) -> None:
 def _describe(s: dict) -> str:
     kind = "global" if s["split_batches"] else "per-rank"
     return f"a {kind} batch size of {s['batch_size']}"
+
+
+class _Skipping:
+    """The rest of a sharded loader's next pass, ``n`` batches in (``skip_first_batches``)."""
+
+    def __init__(self, loader: Any, n: int):
+        self.loader, self.n = loader, n
+
+    def __len__(self) -> int:
+        return len(self.loader) - self.n
+
+    def __iter__(self) -> Iterator:
+        self.loader._skip = (self.loader.epoch, self.n)
+        return iter(self.loader)
+
+
+def skip_first_batches(loader: Any, num_batches: int = 0) -> Any:
+    """The next pass of ``loader`` without its first ``num_batches`` batches (Accelerate's
+    ``skip_first_batches``): what a run resumed part-way through an epoch iterates.
+
+    Its ``len()`` is the batches it yields, as Accelerate's; ``loader`` itself keeps the
+    epoch's length. A loader restored with ``load_state_dict`` (or in a checkpoint's tree)
+    skips what was done on its own and needs no call of this.
+
+    Example:
+        >>> import pardist
+        >>> from torch.utils.data import DataLoader
+        >>> loader = pardist.data.shard(DataLoader(list(range(8)), batch_size=2), 0, 1)
+        >>> rest = pardist.data.skip_first_batches(loader, 3)
+        >>> len(rest), [b.tolist() for b in rest], len(loader)
+        (1, [[6, 7]], 4)
+    """
+    from pardist.data._loader import ShardedLoader  # (it imports this module)
+
+    if not isinstance(loader, ShardedLoader):
+        raise TypeError(
+            f"pardist.data.skip_first_batches: loader is a {type(loader).__name__}; pass a "
+            "pardist.data.shard(...) loader (or itertools.islice a plain iterable)."
+        )
+    if isinstance(num_batches, bool) or not isinstance(num_batches, int):
+        raise TypeError(f"pardist.data.skip_first_batches: num_batches={num_batches!r}; an int.")
+    if not 0 <= num_batches <= len(loader):
+        raise ValueError(
+            f"pardist.data.skip_first_batches: num_batches={num_batches}, but an epoch of the "
+            f"loader has {len(loader)} batches; give 0 to {len(loader)}."
+        )
+    return _Skipping(loader, num_batches)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _fold
 from pardist.gradients import _microbatch, _perrank
-from pardist.gradients._bucketed import Call, split_value
+from pardist.gradients._call import Call, split_value
 from pardist.runtime import Lockstep, StepContext, _rng, _tree
 
 __all__ = ["check_groups", "compute"]

@@ -40,7 +40,7 @@ from pardist.gradients import (
     _tokens,
     _traced_grad,
 )
-from pardist.gradients._bucketed import Call
+from pardist.gradients._call import Call
 from pardist.runtime import (
     ALONE,
     Compiled,

@@ -18,7 +18,7 @@ import torch.func
 
 from pardist.collectives import _collectives, _vma
 from pardist.gradients import _bucketed, _perrank
-from pardist.gradients._bucketed import Call
+from pardist.gradients._call import Call
 from pardist.runtime import _tree, functorch, laid_out_like
 
 __all__ = ["compute", "in_transform", "laid_out_like_args", "nested"]

@@ -10,7 +10,7 @@ runs under it: the call's params installed again, copies of its buffers (a batch
 norm's running statistics are updated once, as without checkpointing), and the
 contexts its forward ran in (cross-replica batch norm). That holds for
 ``torch.utils.checkpoint`` called by the model (both ``use_reentrant`` values,
-``checkpoint_sequential``, Hugging Face's ``gradient_checkpointing_enable()``) and
+``checkpoint_sequential``, Hugging Face's ``activation_checkpointing_enable()``) and
 for :func:`remat`, which is built on it; the reentrant variant runs as the
 non-reentrant one there (``runtime._compat.reroute_checkpoints``).
 

@@ -1,6 +1,6 @@
 """Fine-tuning Hugging Face models as users do it, at 2 ranks.
 
-1. Gradient checkpointing (``gradient_checkpointing_enable``, both ``use_reentrant``
+1. Activation checkpointing (``activation_checkpointing_enable``, both ``use_reentrant``
    values) inside a data-parallel step: tiny GPT-2, Llama, BERT and T5 train to the same
    bits as without it, their blocks are really recomputed in the backward, and the
    result matches plain torch in one process on the whole batch.
@@ -79,8 +79,8 @@ def _model(name: str, reentrant: bool | None = None, dtype=torch.float32):
     """The zoo's seeded model (the same in every process), checkpointed unless None."""
     model = zoo.build(name, dtype)
     if reentrant is not None:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs={"use_reentrant": reentrant}
         )
         for m in model.modules():
             if hasattr(m, "_gradient_checkpointing_func"):

@@ -32,7 +32,17 @@ import torch
 ROOT = Path(__file__).parents[2]
 SCRIPTS = {s: ROOT / "examples" / "porting" / f"lm_{s}.py" for s in ("accelerate", "pardist")}
 # 288 training lines: 18 global batches of 2 x 8 rows, 9 updates of 2 micro-batches
-ARGS = ["--dtype", "float64", "--epochs", "1", "--max-lines", "320", "--checkpointing-steps", "8", "--cpu"]
+ARGS = [
+    "--dtype",
+    "float64",
+    "--epochs",
+    "1",
+    "--max-lines",
+    "320",
+    "--checkpointing-steps",
+    "8",
+    "--cpu",
+]
 LOSS = re.compile(r"epoch (\d+) step (\d+): loss ([0-9.e+-]+)")
 EVAL = re.compile(r"epoch (\d+): eval loss ([0-9.e+-]+)")
 F32 = 2.0**-21  # a few float32 roundings, relative (see the module docstring)
