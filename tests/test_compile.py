@@ -167,7 +167,7 @@ def _wide_overlap():
     collective, W a wait, M a matrix product), without it, and eagerly."""
     from torch._inductor import comms
 
-    from pardist.compile import _step
+    from pardist.compile import _backend as _step
 
     order: list[str] = []
 

@@ -6,6 +6,7 @@ May import ``pardist.runtime`` and ``pardist.transport``. The traced collectives
 (``_traced``) and graph operators (``_ops``) are imported whole, as namespaces.
 """
 
-from pardist.compile._step import CompiledStep, agree
+from pardist.compile._backend import agree
+from pardist.compile._step import CompiledStep
 
 __all__ = ["CompiledStep", "agree"]

@@ -28,22 +28,18 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pardist.compile import _beside, _guard, _layout
+from pardist.compile import _backend, _beside
 from pardist.compile._plan import AxisInfo, Plan, make_plan
 from pardist.runtime import (
     CallState,
     Compiled,
     StepContext,
-    TorchCompileInductorWrapper,
     _context,
     _tree,
-    checkpoint_op,
     dynamo,
     enable_saved_tensors_hooks,
-    inductor_overlap_passes,
     saved_tensors_hooks_enabled,
 )
 
@@ -51,28 +47,6 @@ __all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step", "outer_
 
 EAGER = object()  # returned when the step must run eagerly
 _OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options")
-
-
-def overlap_options() -> dict:
-    """Inductor's scheduling for a graph whose gradient buckets are async collectives.
-
-    Where the graph reduces over torch's functional collectives (nccl, or gloo without
-    shared memory), each bucket's all-reduce is issued as soon as the backward has
-    produced its gradients, the backward's remaining kernels are ordered to run while
-    it travels (``raise_comms``, ``reorder_compute_for_overlap``), and its wait moves to
-    where the update first reads the sums (``sink_waits``): the overlap torch's DDP
-    gets from its hooks. These passes run after inductor has fused its kernels, so
-    they change the order of the same kernels, never their arithmetic. Graphs without
-    such collectives (shared memory's operators, one rank) are left as they were.
-    A pass this torch does not have is left out; the user's ``options`` win.
-    """
-    passes = inductor_overlap_passes(("sink_waits", "raise_comms", "reorder_compute_for_overlap"))
-    if not passes:
-        return {}
-    return {
-        "reorder_for_compute_comm_overlap": True,
-        "reorder_for_compute_comm_overlap_passes": passes,
-    }
 
 
 def _run_traced(fn, plan: Plan, args: tuple, kwargs: dict):
@@ -132,105 +106,9 @@ def _own_code(f: types.FunctionType) -> types.FunctionType:
     return functools.update_wrapper(g, f)
 
 
-def _reason(e: BaseException) -> str:
-    """The first informative line of a compilation error."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    head = lines[0] if lines else type(e).__name__
-    cause = e.__cause__ or e.__context__
-    if isinstance(e, dynamo.exc.BackendCompilerFailed) and cause is not None:
-        return _reason(cause)
-    for line in lines:  # an error the step raised while traced: dynamo names it here
-        if "raised exception " in line:
-            return line.split("raised exception ", 1)[1][:500]
-    explanation = [line[:240] for line in lines[1:4] if line.startswith("Explanation:")]
-    # The user's line that dynamo stopped at: its last 'File "...", line N' and the code.
-    at = [i for i, line in enumerate(lines) if line.startswith('File "') and ", line " in line]
-    code = lines[at[-1] : at[-1] + 2] if at else [x for x in lines[1:4] if "line " in x]
-    return f"{type(e).__name__}: " + " ".join([head, *explanation, *code])[:700]
-
-
 # Distinct input signatures (shapes, dtypes) a step compiles for before it runs eagerly:
 # within dynamo's recompile limit (8), so that varying shapes never crash a step.
 MAX_SIGNATURES = 6
-
-
-class _Refused(RuntimeError):
-    """Another rank could not compile the step: every rank runs it eagerly."""
-
-
-class _Backend:
-    """The user's backend, plus the ranks' agreement on the first compilation."""
-
-    def __init__(self, backend: Any, mode: Any, options: Any, dynamic: Any):
-        if backend == "inductor":
-            # A conv net's activations in one layout (_layout); shared-memory sums
-            # issued as the backward makes their gradients (_beside).
-            early = {"post_grad_custom_pre_pass": _layout.one_layout()}
-            early["post_grad_custom_post_pass"] = _beside.issue_early()
-            self.in_place = _guard.guard()  # the update reads the sums in shared memory
-            self.inner = TorchCompileInductorWrapper(mode, {**early, **(options or {})}, dynamic)
-            # The same compiler, scheduling a graph's async collectives beside its backward.
-            overlap = {**early, **overlap_options(), **(options or {})}
-            self.overlapping = TorchCompileInductorWrapper(mode, overlap, dynamic)
-        else:
-            self.inner = dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
-            self.overlapping = self.inner
-            self.in_place = False  # the sums copied out of shared memory (copy_out)
-        self.agreeing = False  # during a step's first call
-        self.verdict: str | None = None  # set once the ranks have agreed
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
-        self.graphs += 1
-        try:
-            _no_checkpoints(gm)
-            if not self.in_place:
-                _guard.copy_out(gm)
-            inner = self.overlapping if _async_collectives(gm) else self.inner
-            compiled, problem = inner(gm, example_inputs), None
-        except dynamo.exc.RestartAnalysis:
-            raise  # dynamo traces again and calls back: nothing to agree on yet
-        except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
-            compiled, problem, error = None, _reason(e), e
-        if self.agreeing:
-            self.verdict = agree(problem)
-            if self.verdict:
-                raise _Refused(self.verdict)
-        if problem:
-            raise error
-        return compiled
-
-
-def _async_collectives(gm: torch.fx.GraphModule) -> bool:
-    """Whether the graph issues torch's functional collectives (which run beside it)."""
-    return any("_c10d_functional." in str(n.target) for n in gm.graph.nodes)
-
-
-def _no_checkpoints(gm: torch.fx.GraphModule) -> None:
-    """Refuse a graph holding activation checkpoints, saying how to compile it instead.
-
-    The whole-step graph differentiates with torch.func, which cannot run the saved-
-    tensor hooks a checkpoint is made of (dynamo records one as ``checkpoint_op``)."""
-    if checkpoint_op is not None and any(n.target is checkpoint_op for n in gm.graph.nodes):
-        raise RuntimeError(
-            "the model checkpoints activations (torch.utils.checkpoint, Hugging Face's "
-            "gradient checkpointing, pardist.remat), which the whole-step graph cannot "
-            "hold: it differentiates with torch.func, which runs no saved-tensor hooks. "
-            "To compile a model that checkpoints, compile its loss in an eager step: "
-            "pardist.grad(torch.compile(loss_fn))"
-        )
-
-
-def agree(problem: str | None) -> str:
-    """Every rank's verdict on compiling: '' if all could, else the first problem."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return problem or ""
-    verdicts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(verdicts, problem)
-    for rank, v in enumerate(verdicts):
-        if v:
-            return v if v == problem else f"on rank {rank}: {v}"
-    return ""
 
 
 class CompiledStep:
@@ -244,7 +122,7 @@ class CompiledStep:
                 f"{_OPTIONS}; got {sorted(unknown)}."
             )
         opts = {"fullgraph": True, "dynamic": None, "backend": "inductor", **options}
-        self.backend = _Backend(
+        self.backend = _backend.Backend(
             opts["backend"], opts.get("mode"), opts.get("options"), opts["dynamic"]
         )
         self.compiled = torch.compile(
@@ -305,11 +183,11 @@ class CompiledStep:
             if not first:
                 if not any(k in type(e).__name__ for k in ("RecompileLimit", "CacheLimit")):
                     raise
-                self.fallback = f"{_reason(e)}; shapes seen: {self._shapes()}"
+                self.fallback = f"{_backend.reason(e)}; shapes seen: {self._shapes()}"
                 _warn(step.where, self.fallback)
                 return EAGER
             if self.backend.verdict is None:  # this rank failed before compiling
-                verdict = agree(_reason(e))
+                verdict = _backend.agree(_backend.reason(e))
             else:  # the ranks agreed already (inside the backend)
                 verdict = self.backend.verdict
                 if not verdict:  # compiled everywhere, then failed while running: a real error

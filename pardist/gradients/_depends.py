@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist.runtime import _tree, functorch
+from pardist.runtime import _tree, functorch, tracing
 
 __all__ = ["check", "watched"]
 
@@ -67,7 +67,7 @@ def check(value: torch.Tensor, leaves: list, argnums: tuple, where: str) -> bool
         return False
     if functorch.peek_interpreter_stack() is not None:
         return False
-    if torch.compiler.is_compiling():
+    if tracing():
         return False
     if not all(
         isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_leaf and t.requires_grad

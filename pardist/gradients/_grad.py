@@ -49,6 +49,7 @@ from pardist.runtime import (
     _tree,
     current_step,
     holds,
+    tracing,
 )
 
 __all__ = ["grad", "value_and_grad"]
@@ -183,7 +184,7 @@ def _differentiated(args: tuple, flat: list, nums: tuple, where: str) -> list:
             _tree.check_tensor_leaves(args[n], where=where, name=f"args[{n}]")  # names it
     leaves = [leaf for n in nums for leaf in flat[n][0]]
     # (the Tensor method costs half of torch.is_floating_point; dynamo traces the latter)
-    floating = torch.is_floating_point if torch.compiler.is_compiling() else _is_floating
+    floating = torch.is_floating_point if tracing() else _is_floating
     if not all(map(floating, leaves)) and not all(
         t.is_floating_point() or t.is_complex() for t in leaves
     ):

@@ -46,7 +46,7 @@ from pardist.nn._bnmath import (
     local_moments,
     update_running,
 )
-from pardist.runtime import current_step
+from pardist.runtime import current_step, tracing
 
 __all__ = ["cross_replica_batch_norm", "prepare", "synchronised"]
 
@@ -76,7 +76,7 @@ _OTHERS = {
 
 
 def _other_batch_norm(func) -> bool:
-    if torch.compiler.is_compiling():
+    if tracing():
         return _OTHERS.get(func, False)
     return "batch_norm" in getattr(func, "__name__", "")
 
@@ -194,7 +194,7 @@ class _CrossReplica(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _PLAIN_FUNCS and not torch.compiler.is_compiling():  # the common case
+        if func in _PLAIN_FUNCS and not tracing():  # the common case
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         parse = _PARSERS.get(func)
@@ -217,7 +217,7 @@ class _CrossReplica(TorchFunctionMode):
                 "not that. Call F.batch_norm instead, or use "
                 "pardist.functional(model, sync_bn=False) for per-rank statistics."
             )
-        elif not torch.compiler.is_compiling() and not _other_batch_norm(func):
+        elif not tracing() and not _other_batch_norm(func):
             try:
                 _PLAIN_FUNCS.add(func)
             except TypeError:  # an unhashable callable: asked every time
@@ -324,7 +324,7 @@ def synchronised(skeleton: nn.Module | None, train: bool, where: str, seen: dict
     ctx = current_step()
     if not train or ctx is None or (ctx.size == 1 and not ctx.mode.groups):
         return contextlib.nullcontext()
-    if torch.compiler.is_compiling():  # traced: a graph, no per-op cost to save
+    if tracing():  # traced: a graph, no per-op cost to save
         return _CrossReplica(ctx.axis, skeleton, where, None)
     if seen is not None and seen.get("none"):
         return contextlib.nullcontext()

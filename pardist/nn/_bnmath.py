@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pardist.runtime import assert_async
+from pardist.runtime import assert_async, tracing
 
 __all__ = ["global_moments", "grad_sums", "input_grad", "local_moments", "update_running"]
 
@@ -20,7 +20,7 @@ def local_moments(x: torch.Tensor) -> torch.Tensor:
     """``x``'s per-channel count, sum and sum of squares: float64, shape (1 + 2C,)."""
     channels = x.shape[1]
     count = x.numel() // channels if channels else 0
-    compiling = torch.compiler.is_compiling()
+    compiling = tracing()
     if count and x.dtype in (torch.float32, torch.float64) and not compiling:
         # torch's own batch-norm statistics kernel (a two-pass mean and biased
         # variance): 2-5x faster than var_mean's Welford on CPU. (It has no fake
@@ -48,7 +48,7 @@ def global_moments(total: torch.Tensor, channels: int) -> tuple:
 def _check_rows(total: torch.Tensor, x: torch.Tensor, where) -> None:
     """Refuse a global batch of one value per channel (its variance is undefined)."""
     message = "batch norm over the global batch needs more than 1 value per channel when training"
-    if torch.compiler.is_compiling():  # a compiled step cannot branch on the total
+    if tracing():  # a compiled step cannot branch on the total
         assert_async(total > 1, f"pardist batch norm in a compiled step: {message}")
     elif float(total) <= 1:
         raise ValueError(
@@ -60,7 +60,7 @@ def _check_rows(total: torch.Tensor, x: torch.Tensor, where) -> None:
 def _addcmul(t: torch.Tensor, a: torch.Tensor, b: torch.Tensor, value: float = 1.0):
     """``t + value * a * b``: fused (one rounding) in eager; compiled steps cannot trace
     the fused kernel's decomposition under torch.func, and round the product."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return t + value * (a * b)
     return torch.addcmul(t, a, b, value=value)
 

@@ -29,6 +29,7 @@ from pardist.runtime import (
     clone_all,
     collective_starts,
     current_step,
+    tracing,
 )
 from pardist.sharding import _apply, _units
 
@@ -144,7 +145,7 @@ class _Slots:
 def _put(tables: list, attrs: list, values) -> None:
     """``tables[i][attrs[i]] = values[i]`` for each i: by ``map`` over ``setitem`` (in C),
     or the loop dynamo traces inside a compiled step."""
-    if torch.compiler.is_compiling():
+    if tracing():
         for table, attr, value in zip(tables, attrs, values):
             table[attr] = value
     else:

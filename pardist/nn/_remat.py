@@ -34,7 +34,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from pardist.runtime import _lockstep, _tree, functorch, reroute_checkpoints
+from pardist.runtime import _lockstep, _tree, functorch, reroute_checkpoints, tracing
 
 __all__ = ["POLICIES", "Remat", "Rerun", "calls", "recomputing", "remat", "remat_blocks"]
 
@@ -152,7 +152,7 @@ def remat(fn: Callable, *, policy: Any = "nothing_saveable") -> Callable:
         if not torch.is_grad_enabled():  # nothing is kept for a backward: nothing to redo
             return fn(*args, **kwargs)
         options = {} if context is None else {"context_fn": context}
-        if torch.compiler.is_compiling():  # dynamo's checkpoint: AOTAutograd recomputes
+        if tracing():  # dynamo's checkpoint: AOTAutograd recomputes
             return checkpoint(fn, *args, use_reentrant=False, **options, **kwargs)
         if functorch.peek_interpreter_stack() is not None:
             raise RuntimeError(_UNDER_TRANSFORM.format(where=where))

@@ -23,7 +23,7 @@ from pardist.optim._base import (
     schedule,
     schedule_value,
 )
-from pardist.runtime import _tree, fused_adam_, fused_adamw_
+from pardist.runtime import _tree, fused_adam_, fused_adamw_, tracing
 
 __all__ = ["AdamWState", "adam", "adamw"]
 
@@ -97,7 +97,7 @@ def adamw(
         leaves = [f[0] for f in flat] + ([] if amsgrad else [None])
         g, p, treedef, answers = checked.aligned(grads, params, leaves, f"{name}.update")
         in_place, p, (m, v, vmax) = owned(p, *leaves)
-        traced = torch.compiler.is_compiling()  # then the count is no Python int
+        traced = tracing()  # then the count is no Python int
         options = dict(
             lr=schedule_value(lr, state.count),
             beta1=beta1,

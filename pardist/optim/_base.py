@@ -30,6 +30,7 @@ from pardist.runtime import (
     is_donated,
     laid_out_like,
     same_layout,
+    tracing,
 )
 
 __all__ = [
@@ -110,7 +111,7 @@ def schedule_value(value: float | Callable[[int], float], count: torch.Tensor) -
     """
     if not callable(value):
         return value
-    if torch.compiler.is_compiling():  # registered by the optimizer's factory
+    if tracing():  # registered by the optimizer's factory
         return torch.ops.pardist.schedule(count, id(value))
     return float(value(int(count)))
 
@@ -145,7 +146,7 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
         )
     if not all(map(isinstance, p_leaves, itertools.repeat(torch.Tensor))):
         _tree.check_tensor_leaves(params, where=where, name="params")  # names the leaf
-    if torch.compiler.is_compiling():  # (dynamo does not trace map over attrgetter)
+    if tracing():  # (dynamo does not trace map over attrgetter)
         same = all(
             isinstance(g, torch.Tensor) and g.shape == p.shape for g, p in zip(g_leaves, p_leaves)
         )
@@ -154,7 +155,7 @@ def aligned(grads: Any, params: Any, where: str) -> tuple[list, list, Any]:
             map(_shape, g_leaves)
         ) == list(map(_shape, p_leaves))
     if same:  # the common case, without building key paths
-        if not torch.compiler.is_compiling() and all(map(_contiguous, g_leaves + p_leaves)):
+        if not tracing() and all(map(_contiguous, g_leaves + p_leaves)):
             return g_leaves, p_leaves, treedef
         g_leaves = [laid_out_like(g, p) for g, p in zip(g_leaves, p_leaves)]
         return g_leaves, p_leaves, treedef
@@ -189,7 +190,7 @@ class Checked:
     def aligned(self, grads: Any, params: Any, states: list, where: str) -> tuple:
         """``aligned``'s (grads, params, treedef), and the answers kept for these tensors'
         signature (None: not remembered)."""
-        if torch.compiler.is_compiling():  # a graph's guards are dynamo's
+        if tracing():  # a graph's guards are dynamo's
             return (*aligned(grads, params, where), None)
         p, treedef = _tree.tree_flatten(params)
         g, g_def = _tree.tree_flatten(grads)
@@ -245,7 +246,7 @@ def fused_ok(tensors: list[torch.Tensor], fused: bool | None, *alongside: list |
     silently wrong. Otherwise torch's foreach / for-loop code runs, which indexes.
     Compiled graphs use the foreach kernels: the fused ones have no fake implementation.
     """
-    if fused is False or torch.compiler.is_compiling():
+    if fused is False or tracing():
         return False
     if not all(map(torch.Tensor.is_floating_point, tensors)):  # (2x torch.is_floating_point)
         return False

@@ -19,7 +19,7 @@ from pardist.optim._base import (
     schedule,
     schedule_value,
 )
-from pardist.runtime import _tree
+from pardist.runtime import _tree, tracing
 
 __all__ = ["SGDState", "sgd"]
 
@@ -110,7 +110,7 @@ def sgd(
     def update_fn(grads, state, params):
         old, old_def = _tree.tree_flatten(state.momentum_buffer) if momentum else (None, None)
         g, p, treedef, answers = checked.aligned(grads, params, [old], "pardist.optim.sgd.update")
-        traced = torch.compiler.is_compiling()
+        traced = tracing()
         # Compiled, the count is no Python int; with dampening 0 the general momentum
         # formula on the zero-initialised buffer is exactly torch's first step.
         first = not traced and int(state.count) == 0

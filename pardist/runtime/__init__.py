@@ -37,6 +37,7 @@ from pardist.runtime._compat import (
     saved_tensors_hooks_enabled,
     storage_holders,
     torchrun_parser,
+    tracing,
     views_of,
 )
 from pardist.runtime._context import (
@@ -181,6 +182,7 @@ __all__ = [
     "shutdown",
     "storage_holders",
     "torchrun_parser",
+    "tracing",
     "verify",
     "world_size",
 ]

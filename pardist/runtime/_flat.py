@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from pardist.runtime import _mappings
-from pardist.runtime._compat import pytree
+from pardist.runtime._compat import pytree, tracing
 
 __all__ = ["tree_flatten", "tree_leaves", "tree_map", "tree_unflatten"]
 
@@ -71,7 +71,7 @@ def _walk(node, leaves: list, keyed: bool = True):
 
 def tree_flatten(tree, is_leaf=None) -> tuple[list, pytree.TreeSpec]:
     """``torch.utils._pytree.tree_flatten``, with the spec found by structure."""
-    if is_leaf is not None or torch.compiler.is_compiling():
+    if is_leaf is not None or tracing():
         return pytree.tree_flatten(tree, is_leaf=is_leaf)
     leaves: list = []
     try:
@@ -92,7 +92,7 @@ def tree_flatten(tree, is_leaf=None) -> tuple[list, pytree.TreeSpec]:
 def tree_leaves(tree, is_leaf=None) -> list:
     """``torch.utils._pytree.tree_leaves``: by the walk of :func:`tree_flatten` with no
     structure to key (nor its keys touched), where that walk applies."""
-    if is_leaf is not None or torch.compiler.is_compiling():
+    if is_leaf is not None or tracing():
         return pytree.tree_leaves(tree, is_leaf=is_leaf)
     leaves: list = []
     try:
@@ -173,7 +173,7 @@ def _nodes(spec):
 
 def tree_unflatten(leaves, spec):
     """``torch.utils._pytree.tree_unflatten`` through a rebuilder compiled per spec."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return pytree.tree_unflatten(leaves, spec)
     entry = _builder(spec)
     if entry is None:

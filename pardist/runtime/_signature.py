@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from pardist.runtime._compat import tensor_guard
+from pardist.runtime._compat import tensor_guard, tracing
 from pardist.runtime._context import debug_enabled
 
 __all__ = ["Signature"]
@@ -35,7 +35,7 @@ class Signature:
     def __init__(self, tensors: list):
         self._n = len(tensors)
         plain = all(type(t) in _PLAIN for t in tensors)  # subclasses: every check runs
-        self._guard = tensor_guard(tensors) if plain and not torch.compiler.is_compiling() else None
+        self._guard = tensor_guard(tensors) if plain and not tracing() else None
 
     @property
     def usable(self) -> bool:
@@ -49,6 +49,6 @@ class Signature:
             guard is not None
             and len(tensors) == self._n
             and not debug_enabled()
-            and not torch.compiler.is_compiling()
+            and not tracing()
             and guard.check(*tensors)
         )

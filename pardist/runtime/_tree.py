@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pardist.runtime import _flat, _mappings
-from pardist.runtime._compat import pytree, pytree_children
+from pardist.runtime._compat import pytree, pytree_children, tracing
 
 __all__ = [
     "any_instance",
@@ -44,7 +44,7 @@ each = collections.deque(maxlen=0).extend  # runs an iterator (a map) to its end
 def any_instance(xs: Iterable, kind: type) -> bool:
     """Whether some element of ``xs`` is a ``kind``: by the set of their types, made in C
     (a failing ``isinstance`` walks the type's bases: 3-4x the cost per leaf)."""
-    if torch.compiler.is_compiling():  # what dynamo traces
+    if tracing():  # what dynamo traces
         return any(isinstance(x, kind) for x in xs)
     return any(issubclass(t, kind) for t in set(map(type, xs)))
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _vma
-from pardist.runtime import _tree, current_step, functorch, pytree
+from pardist.runtime import _tree, current_step, functorch, pytree, tracing
 from pardist.sharding import _fsdp
 from pardist.sharding._gather import Gather, Gathered, Packed, unpack
 from pardist.sharding._plan import Plan, Unit
@@ -44,7 +44,7 @@ def _unwrapped(x):
 def has_shards(params: dict) -> bool:
     if _tree.any_instance(params.values(), DTensor):
         return True
-    if torch.compiler.is_compiling() or functorch.peek_interpreter_stack() is None:
+    if tracing() or functorch.peek_interpreter_stack() is None:
         return False  # (a compiled step holds no pardist.fsdp shards: it runs those eagerly)
     return any(isinstance(_unwrapped(v), DTensor) for v in params.values())
 

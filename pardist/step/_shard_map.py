@@ -43,6 +43,7 @@ from pardist.runtime import (
     _tree,
     debug_enabled,
     entered,
+    tracing,
 )
 from pardist.step import _checks, _devices, _handshake, _specs
 from pardist.step._donation import Consumed
@@ -189,7 +190,7 @@ class Step:
         return flat, sharded, donated, scatter
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # torch.compile(data_parallel(step))
+        if tracing():  # torch.compile(data_parallel(step))
             return _step.outer_compile(self, args, kwargs)
         short = self.where.removeprefix("pardist.")
         mesh = self.mesh or _mesh.current_mesh(short)
