@@ -207,6 +207,20 @@ def _pmax(mode, tree: Any, axis) -> Any:
     )
 
 
+def checked_dim(x: torch.Tensor, dim: int, where: str, what: str) -> int:
+    """``dim`` of the leaf ``x`` made non-negative; an error where ``x`` has no such dim."""
+    if x.ndim == 0:
+        raise ValueError(
+            f"{where}: a leaf is a scalar (shape ()); there is no dim {dim} to {what}. "
+            "Use x[None] to make it a vector."
+        )
+    if not -x.ndim <= dim < x.ndim:
+        raise ValueError(
+            f"{where}: dim {dim} is out of range for a leaf of shape {tuple(x.shape)}."
+        )
+    return dim % x.ndim
+
+
 def _blockwise(tree: Any, axis, name: str, prepare, apply, vma) -> Any:
     """A collective over one (flattened) group.
 
@@ -277,16 +291,7 @@ def _all_gather(mode, tree: Any, axis, dim: int, invariant: bool) -> Any:
     kind = AllGatherInvariant if invariant else AllGather
 
     def prepare(x: torch.Tensor, size: int, where: str) -> int:
-        if x.ndim == 0:
-            raise ValueError(
-                f"{where}: a leaf is a scalar (shape ()); there is no dim {dim} to "
-                "concatenate along. Use x[None] to gather scalars into a vector."
-            )
-        if not -x.ndim <= dim < x.ndim:
-            raise ValueError(
-                f"{where}: dim {dim} is out of range for a leaf of shape {tuple(x.shape)}."
-            )
-        return dim % x.ndim
+        return checked_dim(x, dim, where, "concatenate along")
 
     return _blockwise(
         tree,

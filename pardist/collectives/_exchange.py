@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pardist.collectives._collectives import _blockwise
+from pardist.collectives._collectives import _blockwise, checked_dim
 from pardist.runtime import _tree
 from pardist.transport import AllToAll, PsumScatter
 
@@ -21,16 +21,7 @@ __all__ = ["all_to_all", "psum_scatter"]
 
 def _blocks(x: torch.Tensor, dim: int, size: int, tree: Any, where: str, axis, what: str) -> int:
     """``dim`` made non-negative, checked to split into ``size`` equal blocks."""
-    if x.ndim == 0:
-        raise ValueError(
-            f"{where}: a leaf is a scalar (shape ()); there is no dim {dim} to {what}. "
-            "Use x[None] to make it a vector."
-        )
-    if not -x.ndim <= dim < x.ndim:
-        raise ValueError(
-            f"{where}: dim {dim} is out of range for a leaf of shape {tuple(x.shape)}."
-        )
-    dim %= x.ndim
+    dim = checked_dim(x, dim, where, what)
     if x.shape[dim] % size:
         path = next(p for p, leaf in _tree.leaves_with_paths(tree, "tree") if leaf is x)
         raise ValueError(

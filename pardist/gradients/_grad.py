@@ -322,19 +322,11 @@ def grad(
         tensor([36., 51., 66.])
     """
     where = f"pardist.grad({getattr(f, '__name__', 'f')})"
-    _check_options(accumulate, mean, where)
-    options = dict(
-        accumulate=accumulate, batch_argnums=batch_argnums, carry=carry, mean=mean, need_value=False
-    )
+    options = _options(accumulate, batch_argnums, carry, mean, where, need_value=False)
 
     @functools.wraps(f)
     def grad_f(*args, **kwargs):
-        if (
-            current_step() is None
-            and accumulate == 1
-            and mean != "tokens"
-            and _nested.nested(args, argnums)
-        ):
+        if _torch_func(options, args, argnums):
             out = torch.func.grad(f, argnums, has_aux)(*args, **kwargs)
             if has_aux:
                 return _nested.laid_out_like_args(out[0], args, argnums), out[1]
@@ -371,22 +363,36 @@ def value_and_grad(
         (tensor(2.), tensor([2., 2.]))
     """
     where = f"pardist.value_and_grad({getattr(f, '__name__', 'f')})"
-    _check_options(accumulate, mean, where)
-    options = dict(
-        accumulate=accumulate, batch_argnums=batch_argnums, carry=carry, mean=mean, need_value=True
-    )
+    options = _options(accumulate, batch_argnums, carry, mean, where, need_value=True)
 
     @functools.wraps(f)
     def value_and_grad_f(*args, **kwargs):
-        if (
-            current_step() is None
-            and accumulate == 1
-            and mean != "tokens"
-            and _nested.nested(args, argnums)
-        ):
+        if _torch_func(options, args, argnums):
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
             return out, _nested.laid_out_like_args(grads, args, argnums)
         value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return ((value, aux) if has_aux else value), grads
 
     return value_and_grad_f
+
+
+def _options(accumulate, batch_argnums, carry, mean: str, where: str, need_value: bool) -> dict:
+    _check_options(accumulate, mean, where)
+    return dict(
+        accumulate=accumulate,
+        batch_argnums=batch_argnums,
+        carry=carry,
+        mean=mean,
+        need_value=need_value,
+    )
+
+
+def _torch_func(options: dict, args: tuple, argnums) -> bool:
+    """Whether the call is torch.func's own: outside a step, inside another transform, one
+    batch, nothing to weigh."""
+    return (
+        current_step() is None
+        and options["accumulate"] == 1
+        and options["mean"] != "tokens"
+        and _nested.nested(args, argnums)
+    )

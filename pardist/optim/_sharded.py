@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist.optim import _sharded_compiled
+from pardist.optim import _shard, _sharded_compiled
 from pardist.optim._base import Optimizer
 from pardist.runtime import (
     ShardsGradients,
@@ -192,17 +192,7 @@ def sharded(
         treedef = _tree.tree_flatten(params)[1]
         g_shards = []
         for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), leaves):
-            start, stop = shard_range(p.numel(), size, index)
-            if isinstance(g, DTensor):  # already this rank's shard (ZeRO-2)
-                g_shards.append(g.to_local())
-            elif isinstance(g, torch.Tensor) and g.shape == p.shape:  # full: take the shard
-                g_shards.append(g.reshape(-1)[start:stop])
-            else:
-                shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-                raise ValueError(
-                    f"{where('update')}: {path} has shape {shape}; expected the full gradient "
-                    f"{tuple(p.shape)} or this rank's DTensor shard from pardist.grad."
-                )
+            g_shards.append(_shard.grad_shard(g, p, path, size, index, where("update")))
         p_shards = plan.shards(leaves)
         inner_leaves, inner_def = _tree.tree_flatten(state.inner)
         locals_ = [_local(x) for x in inner_leaves]

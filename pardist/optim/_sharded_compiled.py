@@ -15,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.compile import _traced
+from pardist.optim import _shard
 from pardist.optim._base import Optimizer
 from pardist.runtime import _tree, donating, is_donated, sharded_over
 from pardist.transport import shard_range
@@ -31,16 +32,7 @@ def update(opt: Optimizer, grads: Any, state: Any, params: Any, plan: Any, where
     g_shards, p_shards = [], []
     for (path, g), p in zip(_tree.leaves_with_paths(grads, "grads"), leaves):
         start, stop = shard_range(p.numel(), size, index)
-        if isinstance(g, DTensor):  # already this rank's shard (ZeRO-2)
-            g_shards.append(g.to_local())
-        elif isinstance(g, torch.Tensor) and g.shape == p.shape:
-            g_shards.append(g.reshape(-1)[start:stop])
-        else:
-            shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-            raise ValueError(
-                f"{where}: {path} has shape {shape}; expected the full gradient "
-                f"{tuple(p.shape)} or this rank's DTensor shard from pardist.grad."
-            )
+        g_shards.append(_shard.grad_shard(g, p, path, size, index, where))
         p_shards.append(p.detach().reshape(-1)[start:stop].clone())
     inner_leaves, inner_def = _tree.tree_flatten(state.inner)
     locals_ = [x.to_local() if isinstance(x, DTensor) else x for x in inner_leaves]
