@@ -10,6 +10,12 @@ travels through ``data_parallel`` and checkpoints like the optimizer state.
 Example (inside a step):
 
     (loss, grads) = pardist.value_and_grad(lambda p, b: scaler.scale(loss_fn(p, b), ls))(p, b)
+    params, opt_state, ls = scaler.step(opt, grads, opt_state, params, ls)
+
+``step`` is GradScaler's ``step`` and ``update``: unscale, update unless a gradient is not
+finite on some rank, adjust the scale. It holds in a compiled step too, where the skip is a
+``torch.where`` in the graph instead of a Python branch. The same by hand, eagerly:
+
     grads, finite = scaler.unscale(grads, ls)
     if finite:
         params, opt_state = opt.update(grads, opt_state, params)
@@ -25,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 
 from pardist.collectives import _collectives
-from pardist.runtime import _process, _tree, current_step, foreach_mul, foreach_norm
+from pardist.runtime import _process, _tree, current_step, foreach_mul, foreach_norm, tracing
 
 __all__ = ["DynamicLossScale", "LossScaleState", "autocast", "dynamic_loss_scale"]
 
@@ -60,12 +66,16 @@ torch.serialization.add_safe_globals([LossScaleState])
 
 
 class DynamicLossScale(NamedTuple):
-    """``init``, ``scale``, ``unscale`` and ``adjust``: pure functions of the state."""
+    """``init``, ``scale``, ``unscale``, ``adjust`` and ``step``: pure functions of the state.
+
+    ``step(opt, grads, opt_state, params, state) -> (params, opt_state, state)`` unscales,
+    updates with ``opt`` unless a gradient is not finite on some rank, and adjusts."""
 
     init: Callable[[], LossScaleState]
     scale: Callable[[Any, LossScaleState], Any]
     unscale: Callable[[Any, LossScaleState], tuple[Any, bool]]
     adjust: Callable[[LossScaleState, bool], LossScaleState]
+    step: Callable[..., tuple[Any, Any, LossScaleState]]
 
 
 def dynamic_loss_scale(
@@ -87,7 +97,9 @@ def dynamic_loss_scale(
     Returns:
         A :class:`DynamicLossScale`. ``unscale(grads, state)`` returns the
         gradients divided by the scale and whether all of them are finite on
-        every rank of the running step's axis (a one-element ``pmax``).
+        every rank of the running step's axis (a one-element ``pmax``): a bool,
+        or a 0-dim bool tensor in a compiled step (a graph branches on no value).
+        ``step`` does unscale, the update and adjust in one call, in every mode.
 
     Example:
         >>> import pardist, torch
@@ -108,6 +120,10 @@ def dynamic_loss_scale(
             lambda loss, state: loss,
             lambda grads, state: (grads, True),
             lambda state, finite: state,
+            lambda opt, grads, opt_state, params, state: (
+                *opt.update(grads, opt_state, params),
+                state,
+            ),
         )
 
     def scale_fn(loss, state: LossScaleState):
@@ -125,12 +141,21 @@ def dynamic_loss_scale(
         norms = foreach_norm(unscaled)  # inf or nan wherever an element is
         bad = (~torch.stack([n.to(leaves[0].device) for n in norms]).isfinite()).any().float()
         ctx = current_step()
-        if ctx is not None and ctx.mesh.size(ctx.mesh.axis_names) > 1:
+        if ctx is not None and ctx.mesh is None and ctx.size > 1:  # a compiled step
+            bad = _collectives.pmax(bad, ctx.axis)  # (its mesh has no other axis of size > 1)
+        elif ctx is not None and ctx.mesh is not None and ctx.mesh.size(ctx.mesh.axis_names) > 1:
             # The same verdict on every rank: model axes too, whose gradients differ.
             bad = _collectives.pmax(bad, ctx.mesh.axis_names)
-        return _tree.tree_unflatten(unscaled, treedef), not bool(bad)
+        finite = bad == 0 if tracing() else not bool(bad)
+        return _tree.tree_unflatten(unscaled, treedef), finite
 
     def adjust_fn(state: LossScaleState, finite: bool) -> LossScaleState:
+        if isinstance(finite, torch.Tensor):  # a compiled step: the rule as torch.where
+            good = torch.where(finite, state.good_steps + 1, torch.zeros_like(state.good_steps))
+            grow = good >= growth_interval
+            kept = torch.where(grow, state.scale * growth_factor, state.scale)
+            scale = torch.where(finite, kept, state.scale * backoff_factor)
+            return LossScaleState(scale, torch.where(grow, torch.zeros_like(good), good))
         if not finite:
             return LossScaleState(state.scale * backoff_factor, torch.zeros_like(state.good_steps))
         good = state.good_steps + 1
@@ -138,4 +163,22 @@ def dynamic_loss_scale(
             return LossScaleState(state.scale * growth_factor, torch.zeros_like(good))
         return LossScaleState(state.scale, good)
 
-    return DynamicLossScale(init_fn, scale_fn, unscale_fn, adjust_fn)
+    def step_fn(opt, grads, opt_state, params, state: LossScaleState):
+        grads, finite = unscale_fn(grads, state)
+        if not isinstance(finite, torch.Tensor):  # eagerly: a skipped update costs nothing
+            if finite:
+                params, opt_state = opt.update(grads, opt_state, params)
+            return params, opt_state, adjust_fn(state, finite)
+        # In a graph: the update out of place (new tensors, never the donated inputs), then
+        # kept or not by torch.where, which the graph holds where a branch it cannot.
+        fresh = lambda tree: _tree.tree_map(  # noqa: E731
+            lambda t: t.view_as(t) if isinstance(t, torch.Tensor) else t, tree
+        )
+        new_params, new_state = opt.update(grads, fresh(opt_state), fresh(params))
+        keep = lambda new, old: (  # noqa: E731
+            torch.where(finite, new, old) if isinstance(new, torch.Tensor) else new
+        )
+        params = _tree.tree_map(keep, new_params, params)
+        return params, _tree.tree_map(keep, new_state, opt_state), adjust_fn(state, finite)
+
+    return DynamicLossScale(init_fn, scale_fn, unscale_fn, adjust_fn, step_fn)

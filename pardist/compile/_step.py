@@ -25,6 +25,8 @@ from __future__ import annotations
 import functools
 import types
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,9 @@ from pardist.compile._plan import AxisInfo, Plan, make_plan
 from pardist.runtime import (
     CallState,
     Compiled,
+    CompiledLoss,
+    Mode,
+    ShardsGradients,
     StepContext,
     _context,
     _tree,
@@ -133,6 +138,11 @@ class CompiledStep:
         )
         self.plans: dict = {}
         self.fallback: str | None = None  # why the step runs eagerly, once decided
+        self.loss_options = {k: opts.get(k) for k in ("backend", "mode", "options", "dynamic")}
+        self.losses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # How the step runs once it cannot be one graph: its loss compiled in an eager
+        # step, the most a graph can hold of it (None: eagerly, as for model axes).
+        self.eager_mode: Mode | None = CompiledLoss(self.compiled_loss)
         self.calls = 0
         self.signatures: list = []  # the inputs' (shape, dtype)s compiled for, in order
         self.batches: list = []  # their sharded inputs' (shape, dtype)s, for warnings
@@ -153,7 +163,16 @@ class CompiledStep:
                 if axes
                 else "it has no data axis"
             )
-            _warn(step.where, self.fallback)
+            self.eager_mode = None  # (pardist's tracking of varying axes is eager Python)
+            _warn(step.where, self.fallback, None)
+            return EAGER
+        if _fsdp_shards(args):
+            self.fallback = (
+                "its parameters are pardist.fsdp shards, whose gathers and reduce-scatters "
+                "a compiled step does not trace yet, nor a compiled loss hold"
+            )
+            self.eager_mode = None
+            _warn(step.where, self.fallback, None)
             return EAGER
         leaves = _tree.tree_leaves(args)
         varying = tuple(sharded) + tuple(
@@ -165,7 +184,7 @@ class CompiledStep:
         first = self.calls == 0
         self.calls += 1
         if self._changed(leaves, self.plans[key].sharded):
-            _warn(step.where, self.fallback)
+            _warn(step.where, self.fallback, self.eager_mode)
             return EAGER
         self.backend.agreeing, self.backend.verdict = first, None
         hooks = saved_tensors_hooks_enabled()
@@ -184,7 +203,7 @@ class CompiledStep:
                 if not any(k in type(e).__name__ for k in ("RecompileLimit", "CacheLimit")):
                     raise
                 self.fallback = f"{_backend.reason(e)}; shapes seen: {self._shapes()}"
-                _warn(step.where, self.fallback)
+                _warn(step.where, self.fallback, self.eager_mode)
                 return EAGER
             if self.backend.verdict is None:  # this rank failed before compiling
                 verdict = _backend.agree(_backend.reason(e))
@@ -193,7 +212,7 @@ class CompiledStep:
                 if not verdict:  # compiled everywhere, then failed while running: a real error
                     raise
             self.fallback = verdict
-            _warn(step.where, verdict)
+            _warn(step.where, verdict, self.eager_mode)
             return EAGER
         finally:
             self.backend.agreeing = False
@@ -245,16 +264,51 @@ class CompiledStep:
         seen = [", ".join(f"{s} {d}" for s, d in batch) for batch in self.batches]
         return "; ".join(seen[:4]) + (f"; ... ({len(seen)} in all)" if len(seen) > 4 else "")
 
+    def compiled_loss(self, f: Callable) -> Callable:
+        """``f`` compiled for an eager step (graph breaks allowed): the loss a ``pardist.grad``
+        differentiates where the whole step is not one graph."""
+        try:
+            return self.losses[f]
+        except (KeyError, TypeError):
+            pass
+        options = {k: v for k, v in self.loss_options.items() if v is not None}
+        compiled = torch.compile(f, fullgraph=False, **options)
+        try:
+            self.losses[f] = compiled
+        except TypeError:  # (not weakly referable: compiled anew, dynamo's cache is per code)
+            pass
+        return compiled
+
+
+def _fsdp_shards(args: tuple) -> bool:
+    """Whether ``args`` hold pardist.fsdp parameter shards (DTensors outside a sharded
+    optimizer's state, whose shards a compiled step does hold)."""
+    nodes = _tree.tree_flatten(args, is_leaf=lambda x: isinstance(x, ShardsGradients))[0]
+    return any(isinstance(x, DTensor) for x in nodes)
+
 
 def _batched(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() > 0
 
 
-def _warn(where: str, reason: str) -> None:
+# What a fallback's reason says about its cause, and what to do about it.
+_CONTROL_FLOW = ("data-dependent", "data dependent", "generic_jump", "control flow", "item()")
+
+
+def _warn(where: str, reason: str, mode: Mode | None) -> None:
+    how = (
+        "It runs eagerly with its loss compiled (each pardist.grad's function, by "
+        "torch.compile): the most of it a graph can hold, with the same numbers."
+        if mode is not None
+        else "It runs eagerly instead, with the same numbers."
+    )
+    if any(word in reason.lower() for word in _CONTROL_FLOW):
+        advice = "Keep Python control flow off tensor values (use torch.where), or pass"
+    else:
+        advice = "Pass"
     warnings.warn(
-        f"{where}: compile=True could not compile the step ({reason}). It runs "
-        "eagerly instead, with the same numbers. Keep Python control flow off tensor "
-        "values (use torch.where), or pass compile=False to silence this.",
+        f"{where}: compile=True could not make the whole step one graph ({reason}). {how} "
+        f"{advice} compile=False to silence this.",
         stacklevel=4,
     )
 

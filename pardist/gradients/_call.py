@@ -34,6 +34,7 @@ class Call:
     rows: int = -1
     need_value: bool = False
     listed: Any = None  # accumulate='list': the micro-batches' arguments and weights
+    counts: Any = None  # mean='tokens' in a traced step: f's aux ends with its count, put here
 
     def __init__(self, f, nums, has_aux, accumulate, mean, args, kwargs, where, flat, masks, carry):
         self.f, self.nums, self.has_aux, self.args, self.kwargs = f, nums, has_aux, args, kwargs

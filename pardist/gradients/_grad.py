@@ -44,6 +44,7 @@ from pardist.gradients._call import Call
 from pardist.runtime import (
     ALONE,
     Compiled,
+    CompiledLoss,
     Deterministic,
     Eager,
     _tree,
@@ -109,6 +110,8 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     kind, listed = mean, k == _lists.LIST  # (mean='tokens' differentiates sums: 'ranks' below)
     flat = [_tree.tree_flatten(a) for a in args]
     leaves = _differentiated(args, flat, nums, where)
+    if isinstance(mode, CompiledLoss) and not _tree.any_instance(leaves, DTensor):
+        f = mode.compile(f)  # compile=True where the step is no one graph (FSDP: eager)
     if mode.alone and k == 1 and mean == "ranks" and _plain(options, leaves):
         return _alone(f, nums, has_aux, options, args, kwargs, where, flat, leaves, ctx)
     counts = None
@@ -119,7 +122,8 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
                 "compiled step yet; use compile=False and deterministic=None, or return "
                 "a mean with mean='ranks'."
             )
-        f, counts = _tokens.counted(f, has_aux, where)
+        # (a traced step takes each count as aux: no Python list fills inside a graph)
+        f, counts = _tokens.counted(f, has_aux, where, as_aux=mode.plan is not None)
         mean = "ranks"
     weighted = mean == "rows" and ctx is not None and ctx.size > 1
     groups = mode.groups
@@ -170,6 +174,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     else:
         call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
     call.listed = lists
+    call.counts = counts if counts is not None and mode.plan is not None else None
     call.need_value = options["need_value"]
     value, aux, grads = mode.run("grad", call, ctx, leaves)
     if counts is not None:

@@ -26,7 +26,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives
-from pardist.runtime import StepContext, functorch
+from pardist.runtime import StepContext, assert_async, functorch, tracing
 
 __all__ = ["counted", "weigh"]
 
@@ -38,8 +38,10 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def counted(f: Callable, has_aux: bool, where: str) -> tuple[Callable, list]:
-    """``f`` returning its sum as the value, and the list its counts are put in."""
+def counted(f: Callable, has_aux: bool, where: str, as_aux: bool = False) -> tuple[Callable, list]:
+    """``f`` returning its sum as the value, and the list its counts are put in. With
+    ``as_aux`` (a traced step, whose graph fills no Python list) ``f`` returns
+    ``(sum, (aux, count))`` instead, and the gradient path puts each count in the list."""
     counts: list[torch.Tensor] = []
 
     def f_sum(*args: Any, **kwargs: Any) -> Any:
@@ -66,7 +68,7 @@ def counted(f: Callable, has_aux: bool, where: str) -> tuple[Callable, list]:
                     f"{total.device}; make the count where the labels are "
                     "((labels != -100).sum() on the loss's device)."
                 )
-            count = _plain(count.detach()).reshape(())
+            count = count.detach().reshape(()) if as_aux else _plain(count.detach()).reshape(())
         elif isinstance(count, (int, float)) and not isinstance(count, bool):
             count = torch.tensor(float(count))
         else:
@@ -74,10 +76,18 @@ def counted(f: Callable, has_aux: bool, where: str) -> tuple[Callable, list]:
                 f"{where}: the token count is a {type(count).__name__}; give a number or a "
                 "one-element tensor: (labels != -100).sum()."
             )
+        if as_aux:  # (torch.func takes tensors as aux: no None for an f without one)
+            return total, ((aux, count) if has_aux else count)
         counts.append(count)
         return (total, aux) if has_aux else total
 
     return f_sum, counts
+
+
+def _global_traced(counts: list, ctx: StepContext) -> torch.Tensor:
+    """The global count as a float64 tensor of the graph (its all-reduce a node of it)."""
+    mine = torch.stack([c.to(torch.float64) for c in counts]).sum()
+    return _collectives.psum(mine, ctx.axis) if ctx.size > 1 else mine
 
 
 def _global(counts: list, ctx: StepContext | None) -> float:
@@ -95,16 +105,12 @@ def weigh(value, grads: list, leaves: list, call: Any, ctx: StepContext | None, 
     """``(value, grads)`` of the sums, averaged as ever, turned into those over the count."""
     if not counts:
         return value, grads
-    total = _global(counts, ctx)
-    if total < 0 or total != total:
-        raise ValueError(f"{call.where}: the tokens counted add up to {total}; counts are >= 0.")
-    if total == 0:
-        raise ValueError(
-            f"{call.where}: mean='tokens', but no rank had a token in this step (the counts "
-            "add up to 0 over every rank and micro-batch): the mean over no tokens is "
-            "undefined. Skip such a batch on every rank, or check the labels' padding value."
-        )
-    # Micro-batches of a list were seeded with their count (each a sum), else averaged.
+    if tracing():  # the total is a tensor of the graph: its checks run with it
+        total = _global_traced(counts, ctx)
+        assert_async(total > 0, f"{call.where}: mean='tokens', but no rank had a token")
+    else:
+        total = _global(counts, ctx)
+        _check_total(total, call)
     k = 1 if call.listed is not None else call.accumulate
     size = ctx.size if ctx is not None else 1
     means = size * k / total  # averaged over ranks and micro-batches: undone, then / count
@@ -118,4 +124,15 @@ def weigh(value, grads: list, leaves: list, call: Any, ctx: StepContext | None, 
             out.append(g / total)  # each micro-batch's own rows: not averaged
         else:
             out.append(g * (k / total))
-    return value * means, out
+    return (value * means).to(value.dtype), out
+
+
+def _check_total(total: float, call: Any) -> None:
+    if total < 0 or total != total:
+        raise ValueError(f"{call.where}: the tokens counted add up to {total}; counts are >= 0.")
+    if total == 0:
+        raise ValueError(
+            f"{call.where}: mean='tokens', but no rank had a token in this step (the counts "
+            "add up to 0 over every rank and micro-batch): the mean over no tokens is "
+            "undefined. Skip such a batch on every rank, or check the labels' padding value."
+        )

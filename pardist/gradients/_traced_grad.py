@@ -49,19 +49,17 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
         )
     plan, k, replicated = mode.plan, call.accumulate, call.replicated
     reduce = ctx.size > 1 and any(replicated)
-    if call.mean == "rows" and reduce:
-        raise NotImplementedError(
-            f"{call.where}: mean='rows' has no traceable form in a compiled step yet; "
-            "use mean='ranks' (the same numbers when shards are equal) or compile=False"
-        )
+
+    counting = call.counts is not None  # mean='tokens': f's aux ends with its token count
+    has_aux = call.has_aux or counting
 
     def checked(*args):
         out = call.f(*args, **call.kwargs)
-        _bucketed.split_value(out, call.has_aux, call.where)  # pardist's error for a non-scalar
+        _bucketed.split_value(out, has_aux, call.where)  # pardist's error for a non-scalar
         return out
 
     nums = call.nums if len(call.nums) > 1 else call.nums[0]
-    transform = torch.func.grad_and_value(checked, argnums=nums, has_aux=call.has_aux)
+    transform = torch.func.grad_and_value(checked, argnums=nums, has_aux=has_aux)
     # Replicated gradients are divided before they are summed, as the eager buckets do:
     # here, or (one micro-batch, all-reduced) by the mean as it writes its buckets.
     scale = (ctx.size if reduce else 1) * k
@@ -74,7 +72,10 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     parts: list = [[None] * k for _ in leaves]
     for j, margs, _ in call.micro_batches():
         g, out = transform(*margs)
-        value, aux = out if call.has_aux else (out, None)
+        value, aux = out if has_aux else (out, None)
+        if counting:
+            aux, count = aux if call.has_aux else (None, aux)
+            call.counts.append(count)
         call.took(j, aux)
         values.append(value)
         auxes.append(aux)
@@ -95,6 +96,12 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     if not reduce:
         return mine, aux, grads
     need = call.need_value
+    rows_value = None
+    if call.mean == "rows":  # each rank weighs by its rows: one small all-reduce of two
+        rows_value = _weigh_rows(
+            grads, [i for i, r in enumerate(replicated) if r], mine, call.rows, ctx, plan
+        )
+        need = False  # the value is the row-weighted mean, not the ranks' table
     # The loss table rides in the first bucket unless it would be compressed there.
     alone = need and (scatter or plan.compression is not None)
     value = mine
@@ -120,4 +127,18 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
         grads[i] = m
     if carried:
         value = _global(means[0], mine)
-    return value, aux, grads
+    return (rows_value if rows_value is not None else value), aux, grads
+
+
+def _weigh_rows(grads: list, rep: list, mine: torch.Tensor, rows, ctx, plan) -> torch.Tensor:
+    """``mean='rows'``: each replicated gradient weighed by the rank's rows over the mean
+    rows per rank (the mean over ranks then weighs every row of the global batch alike),
+    as the eager step weighs its seed; the row-weighted global loss. A rank without rows
+    adds nothing (its mean over no rows is not a number)."""
+    r = torch.zeros((), dtype=torch.float64, device=mine.device) + rows
+    used = mine.double() * r if rows else torch.zeros_like(r)
+    total, summed = _traced.psum(torch.stack([r, used]), plan.axis_key, plan).unbind()
+    for i in rep:
+        g = grads[i]
+        grads[i] = g * (ctx.size * r / total).to(g.dtype) if rows else torch.zeros_like(g)
+    return (summed / total).to(mine.dtype)

@@ -76,7 +76,16 @@ from pardist.runtime._layout import (
 )
 from pardist.runtime._lockstep import Lockstep
 from pardist.runtime._mesh import Mesh, current_mesh, distributed, init
-from pardist.runtime._modes import ALONE, EAGER, Alone, Compiled, Deterministic, Eager, Mode
+from pardist.runtime._modes import (
+    ALONE,
+    EAGER,
+    Alone,
+    Compiled,
+    CompiledLoss,
+    Deterministic,
+    Eager,
+    Mode,
+)
 from pardist.runtime._process import (
     GroupRef,
     device,
@@ -99,6 +108,7 @@ __all__ = [
     "EAGER",
     "Alone",
     "Compiled",
+    "CompiledLoss",
     "Deterministic",
     "Eager",
     "Mode",

@@ -25,7 +25,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ALONE", "EAGER", "Alone", "Compiled", "Deterministic", "Eager", "Mode"]
+__all__ = [
+    "ALONE",
+    "EAGER",
+    "Alone",
+    "Compiled",
+    "CompiledLoss",
+    "Deterministic",
+    "Eager",
+    "Mode",
+]
 
 
 class Mode:
@@ -96,13 +105,26 @@ class Deterministic(Eager):
         self.groups = groups
 
 
+class CompiledLoss(Eager):
+    """``compile=True`` where the whole step cannot be one graph (activation checkpoints,
+    ``pardist.fsdp`` shards, a list of micro-batches, an operation dynamo cannot trace in
+    the step): the step runs eagerly and ``pardist.grad`` differentiates its loss compiled
+    (``compile(f)``: torch.compile with graph breaks allowed, AOTAutograd's forward and
+    backward, checkpointed blocks recomputed there). Its other rules are eager's."""
+
+    name = "compiled_loss"
+
+    def __init__(self, compile: Callable[[Callable], Callable]):  # noqa: A002
+        self.compile = compile
+
+
 class Compiled(Mode):
     """``data_parallel(step, compile=True)``: the step is traced into one graph; ``plan``
     holds its static facts (axes, sizes, buckets)."""
 
     name = "compiled"
     groups = 0
-    counts_tokens = False
+    counts_tokens = True
 
     def __init__(self, plan: Any):
         self.plan = plan

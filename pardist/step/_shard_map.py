@@ -258,7 +258,7 @@ class Step:
             compression=self.compression,
             overlap=self.overlap,
             bucket_bytes=int(self.bucket_mb * 2**20),
-            mode=self.mode if live or self.mode is not EAGER else ALONE,
+            mode=self._eager_mode(live),
         )
         state = _vma.Tracking(mesh, axes) if live - set(axes) else None
         typed_problem = None
@@ -272,6 +272,14 @@ class Step:
             if state is not None:
                 typed_problem = _checks.typed_outputs(self, out, state, axes)
         return out, typed_problem
+
+    def _eager_mode(self, live: set):
+        """The mode the step runs in eagerly: a compiled step's fallback (its loss compiled),
+        the deterministic mode, or eager (ALONE on one process, where nothing reduces)."""
+        fallback = self.compiled.eager_mode if self.compiled is not None else None
+        if fallback is not None and self.mode is EAGER:
+            return fallback
+        return self.mode if live or self.mode is not EAGER else ALONE
 
     def flat_out_specs(self, out: Any) -> list[P]:
         """One spec per output leaf (cached by the output's structure)."""
