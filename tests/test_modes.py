@@ -83,7 +83,6 @@ EXPECTED = {
     ("deterministic", "rows"): _REFUSED,
     ("deterministic", "list"): "takes no list of micro-batches (accumulate='list')",
     ("deterministic", "fsdp"): "pardist.fsdp",
-    ("deterministic", "tokens"): "mean='tokens' is not supported in the deterministic mode",
 }
 POISONED = 1  # the step whose batch overflows on rank 1 (loss_scale)
 
@@ -264,12 +263,13 @@ def test_activation_checkpointing_gives_eagers_bits(run):
         assert torch.equal(remat[1], plain[1])
 
 
-def test_the_deterministic_mode_gives_its_bits_at_1_and_2_ranks(run):
-    ((one_params, one_losses, _, _),) = run(1, train, "deterministic", "plain")
-    for cells in results(run, "deterministic"):
-        params, losses, _, _ = cells["plain"]
-        assert all(torch.equal(params[k], one_params[k]) for k in one_params)
-        assert torch.equal(losses, one_losses)
+@pytest.mark.parametrize("feature", ["plain", "tokens"])
+def test_the_deterministic_mode_gives_its_bits_at_1_2_and_4_ranks(run, feature):
+    ((one_params, one_losses, _, _),) = run(1, train, "deterministic", feature)
+    four = run(4, train, "deterministic", feature)
+    for params, losses, _, _ in [c[feature] for c in results(run, "deterministic")] + four:
+        assert all(torch.equal(params[k], one_params[k]) for k in one_params), feature
+        assert torch.equal(losses, one_losses), feature
 
 
 def alone_or_eager(force_eager: bool):

@@ -96,12 +96,14 @@ def compute(mode, call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Ten
             materialize_grads=True,
         )
     per_group = [grads[j * len(leaves) : (j + 1) * len(leaves)] for j in range(n)]
-    value = _fold_values(values, call.rows, ctx, groups, where)
+    # mean='tokens': each group's value is its sum; every sum weighs over the global count
+    counts = call.counts if call.counts is not None else None
+    value, divisor = _fold_values(values, call.rows, ctx, groups, where, counts)
     out = [None] * len(leaves)
     by_dtype: dict = {}
     for i, t in enumerate(leaves):
         if call.split[i]:  # a batch input's gradient: its groups' in order, over n
-            out[i] = torch.cat([g[i] for g in per_group]) / n
+            out[i] = torch.cat([g[i] for g in per_group]) / (n if counts is None else divisor)
         else:
             by_dtype.setdefault((t.dtype, t.device), []).append(i)
     if ctx.size == 1:  # every group here: fold each gradient in place, no copies
@@ -110,13 +112,13 @@ def compute(mode, call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Ten
                 total = per_group[0][i].clone()
                 for g in per_group[1:]:
                     total.add_(g[i])
-                out[i] = total.div_(groups)
+                out[i] = total.div_(divisor)
     for index in by_dtype.values() if ctx.size > 1 else ():
         sizes = [leaves[i].numel() for i in index]
         local = leaves[index[0]].new_empty(n, sum(sizes))
         for j, g in enumerate(per_group):  # one copy into the buffer the gather sends
             torch.cat([g[i].reshape(-1) for i in index], out=local[j])
-        total = _fold.ordered_sum(local, ctx).div_(groups)
+        total = _fold.ordered_sum(local, ctx).div_(divisor)
         for i, piece in zip(index, total.split(sizes)):
             out[i] = piece.view(leaves[i].shape)
     aux = _aux([a for _, a in outs], call, call.rows // n) if call.has_aux else None
@@ -158,10 +160,13 @@ def _check_rows(call: Call, n: int, groups: int, ctx: StepContext, where: str) -
         )
 
 
-def _fold_values(values: list, rows: int, ctx: StepContext, groups: int, where: str):
-    """The mean of every group's loss, added in group order; checks that shards are equal."""
+def _fold_values(values: list, rows: int, ctx: StepContext, groups: int, where: str, counts):
+    """``(value, divisor)``: the mean of every group's loss added in group order, over the
+    groups; with ``counts`` (mean='tokens': the values are sums) over the global count of
+    tokens, an integer, the same whatever the order. Checks that shards are equal."""
     local = torch.stack([v.detach().reshape(()).double() for v in values])
-    local = torch.stack([local, torch.full_like(local, rows)], dim=1)
+    tokens = torch.stack([c.double().cpu() for c in counts]) if counts else torch.zeros_like(local)
+    local = torch.stack([local, torch.full_like(local, rows), tokens.to(local.device)], dim=1)
     every = _fold.gather_groups(local, ctx)  # (exact: float64 holds any loss's value)
     if ctx.size > 1 and not bool((every[:, 1] == rows).all()):
         n = len(values)
@@ -174,11 +179,19 @@ def _fold_values(values: list, rows: int, ctx: StepContext, groups: int, where: 
     per_rank = every[:, 0].view(ctx.size, -1).mean(1)
     if _perrank.checked(per_rank, ctx):  # a non-finite loss: warned of, as in the default
         _perrank.report(per_rank, [rows] * ctx.size, "ranks", ctx, where)
+    divisor = groups
+    if counts:
+        divisor = float(every[:, 2].sum())
+        if divisor <= 0:
+            raise ValueError(
+                f"{where}: mean='tokens', but no row group had a token in this step: the mean "
+                "over no tokens is undefined. Skip such a batch on every rank."
+            )
     total = every[:, 0].to(values[0].dtype)
     value = total[0].clone()
     for v in total[1:]:
         value = value + v
-    return value / groups
+    return value / divisor, divisor
 
 
 def _aux(items: list, call: Call, rows: int) -> Any:

@@ -118,8 +118,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     if mean == "tokens":  # the paths differentiate the sums; _tokens divides by the count
         if not mode.counts_tokens:
             raise NotImplementedError(
-                f"{where}: mean='tokens' is not supported in the deterministic mode or a "
-                "compiled step yet; use compile=False and deterministic=None, or return "
+                f"{where}: mean='tokens' is not supported in the {mode.name} mode; return "
                 "a mean with mean='ranks'."
             )
         # (a traced step takes each count as aux: no Python list fills inside a graph)
@@ -174,10 +173,11 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     else:
         call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
     call.listed = lists
-    call.counts = counts if counts is not None and mode.plan is not None else None
+    # A traced step and the deterministic mode weigh by the count themselves.
+    call.counts = counts if counts is not None and (mode.plan or mode.groups) else None
     call.need_value = options["need_value"]
     value, aux, grads = mode.run("grad", call, ctx, leaves)
-    if counts is not None:
+    if counts is not None and not mode.groups:
         value, grads = _tokens.weigh(value, grads, leaves, call, ctx, counts)
     return value, aux, _regroup(grads, [flat[n] for n in nums])
 

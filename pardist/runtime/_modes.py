@@ -99,7 +99,6 @@ class Deterministic(Eager):
     """``data_parallel(step, deterministic=G)``: G row groups summed in a fixed order."""
 
     name = "deterministic"
-    counts_tokens = False
 
     def __init__(self, groups: int):
         self.groups = groups
