@@ -82,7 +82,6 @@ EXPECTED = {
     ("deterministic", "accumulate"): _REFUSED,
     ("deterministic", "rows"): _REFUSED,
     ("deterministic", "list"): "takes no list of micro-batches (accumulate='list')",
-    ("deterministic", "fsdp"): "pardist.fsdp",
 }
 POISONED = 1  # the step whose batch overflows on rank 1 (loss_scale)
 
@@ -263,7 +262,7 @@ def test_activation_checkpointing_gives_eagers_bits(run):
         assert torch.equal(remat[1], plain[1])
 
 
-@pytest.mark.parametrize("feature", ["plain", "tokens"])
+@pytest.mark.parametrize("feature", ["plain", "tokens", "fsdp"])
 def test_the_deterministic_mode_gives_its_bits_at_1_2_and_4_ranks(run, feature):
     ((one_params, one_losses, _, _),) = run(1, train, "deterministic", feature)
     four = run(4, train, "deterministic", feature)

@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor
 from pardist.collectives import _fold
 from pardist.gradients import _microbatch, _perrank
 from pardist.gradients._call import Call, split_value
-from pardist.runtime import Lockstep, StepContext, _rng, _tree
+from pardist.runtime import Lockstep, StepContext, _rng, _tree, dtensor_spec
+from pardist.transport import shard_range
 
 __all__ = ["check_groups", "compute"]
 
@@ -54,14 +55,44 @@ def compute(mode, call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Ten
             "it takes neither accumulate nor mean='rows' (every group has the same rows). "
             "Leave them at their defaults."
         )
-    if any(isinstance(t, DTensor) for t in leaves) or any(
-        not r and not s for r, s in zip(call.replicated, call.split)
+    fsdp = [i for i, t in enumerate(leaves) if isinstance(t, DTensor)]
+    if any(
+        not r and not s and i not in fsdp
+        for i, (r, s) in enumerate(zip(call.replicated, call.split))
     ):
         raise ValueError(
-            f"{where}: the deterministic mode differentiates replicated parameters and the "
-            "batch only; parameters sharded over an axis (pardist.fsdp, tensor parallelism) "
-            "are not supported in it yet."
+            f"{where}: the deterministic mode differentiates replicated parameters, "
+            "pardist.fsdp shards and the batch; parameters split over another axis (tensor "
+            "parallelism) are not supported in it yet."
         )
+    if not fsdp:
+        return _compute(call, ctx, leaves, n)
+    # pardist.fsdp shards: gathered whole here, each group's full gradient folded in group
+    # order as a replicated parameter's, then this rank's shard of the sum kept. The fold
+    # needs every group's whole gradient (a reduce-scatter would add in the backend's
+    # order); it is the mode for exact bits, not for memory.
+    shards = {i: leaves[i] for i in fsdp}
+    whole = [t.full_tensor() if i in shards else t for i, t in enumerate(leaves)]
+    ctx.call.whole_shards = True  # apply puts the gathered parameters in their own shapes
+    try:
+        value, aux, out = _compute(call, ctx, whole, n)
+    finally:
+        ctx.call.whole_shards = False
+    for i, t in shards.items():
+        out[i] = _shard_of(out[i], t)
+    return value, aux, out
+
+
+def _shard_of(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's piece of a flat full gradient, laid out as the pardist.fsdp shard ``like``."""
+    mesh = like.device_mesh
+    start, stop = shard_range(full.numel(), mesh.size(), mesh.get_local_rank())
+    return DTensor(full.reshape(-1)[start:stop].clone(), dtensor_spec(like), requires_grad=False)
+
+
+def _compute(call: Call, ctx: StepContext, leaves: list, n: int):
+    """(global value, aux, flat gradients) of replicated ``leaves`` and the batch."""
+    where, groups = call.where, ctx.mode.groups
     _check_rows(call, n, groups, ctx, where)
     parts = _microbatch.split(call.flat, call.masks, n, where) if n > 1 else None
     first = _rng.rank_index(ctx.mesh, ctx.axis) * n if ctx.size > 1 else 0

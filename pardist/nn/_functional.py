@@ -236,6 +236,7 @@ def functional(
     mode = {"train": skeleton.training}
     seen_norms: dict = {}  # whether the model calls batch norm at all (see synchronised)
     units = _units.check_policy(fsdp_units)
+    shapes = {name: p.shape for name, p in skeleton.named_parameters()}  # (full, as declared)
     fsdp = _apply.Runner(skeleton, slots, units, f"{where}.apply")
 
     def apply(params: dict, buffers: dict, *inputs: Any, train: bool = True, **kwargs: Any):
@@ -255,12 +256,14 @@ def functional(
                 skeleton if sync_bn else None, train and sync_bn, where, seen_norms
             )
 
+        ctx = current_step()
+        if ctx is not None and ctx.call.whole_shards:  # (the deterministic mode's)
+            params = {k: v.view(shapes[k]) if k in shapes else v for k, v in params.items()}
         with enter():
             if _apply.has_shards(params):  # pardist.fsdp: each unit gathered as it runs
                 out = fsdp.call(params, new_buffers, inputs, kwargs, enter)
             else:
                 out = slots.call(params, new_buffers, inputs, kwargs, enter)
-        ctx = current_step()
         if train and not sync_bn and ctx is not None and (ctx.size > 1 or ctx.mode.groups):
             stats = {
                 k: v for k, v in new_buffers.items() if v.is_floating_point() and k not in frozen

@@ -50,6 +50,9 @@ class CallState:
         # Set while the ranks run different numbers of micro-batches (accumulate='list'):
         # the error a collective inside them raises (its name fills in {name}).
         self.uneven: str | None = None
+        # The deterministic mode passes pardist.fsdp parameters gathered whole (flat):
+        # apply puts them in their modules in their own shapes.
+        self.whole_shards = False
 
 
 def collective_starts(name: str) -> None:
