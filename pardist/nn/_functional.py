@@ -222,7 +222,7 @@ def functional(
     skeleton = _meta_skeleton(module)
     where = f"pardist.functional({type(module).__name__})"
     _batchnorm.prepare(skeleton, where)
-    _remat.remat_blocks(
+    rematted = _remat.remat_blocks(
         skeleton,
         remat,
         lambda sk, names, at: _units.named_modules(sk, names, at, "remat blocks"),
@@ -256,6 +256,12 @@ def functional(
                 skeleton if sync_bn else None, train and sync_bn, where, seen_norms
             )
 
+        if rematted and kwargs.get("use_cache"):
+            raise ValueError(
+                f"{where}.apply: use_cache=True with remat=: the recomputation of a "
+                "checkpointed block would write the key-value cache a second time. Pass "
+                "use_cache=False (training needs no cache)."
+            )
         ctx = current_step()
         if ctx is not None and ctx.call.whole_shards:  # (the deterministic mode's)
             params = {k: v.view(shapes[k]) if k in shapes else v for k, v in params.items()}

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,7 +35,14 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from pardist.runtime import _lockstep, _tree, functorch, reroute_checkpoints, tracing
+from pardist.runtime import (
+    _lockstep,
+    _tree,
+    functorch,
+    outside_dispatch_modes,
+    reroute_checkpoints,
+    tracing,
+)
 
 __all__ = ["POLICIES", "Remat", "Rerun", "calls", "recomputing", "remat", "remat_blocks"]
 
@@ -210,7 +218,32 @@ def remat_blocks(skeleton: nn.Module, option: Any, select, where: str) -> int:
     for i, block in enumerate(blocks):
         if i % spec.every == 0:
             block.forward = remat(block.forward, policy=spec.policy)
+    if _context_fn(spec.policy, where) != "all":  # (everything kept: nothing recomputed)
+        _no_cache(skeleton, where)
     return len(blocks[:: spec.every])
+
+
+def _no_cache(skeleton: nn.Module, where: str) -> None:
+    """Hugging Face models write a key-value cache in their forward (``use_cache``, on by
+    default for decoders); a recomputation would write it again. As Hugging Face's own
+    gradient checkpointing does, the cache is turned off, in pardist's copy of the model
+    only, and said once."""
+    configs = {}
+    for module in skeleton.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            configs[id(config)] = config
+    if not configs:
+        return
+    for config in configs.values():
+        config.use_cache = False
+    warnings.warn(
+        f"{where}: use_cache=True is incompatible with activation checkpointing (the "
+        "recomputation would write the key-value cache again); remat= turns it off in "
+        "pardist's copy of the model, as Hugging Face's gradient checkpointing does. Pass "
+        "use_cache=False to the model's config to silence this.",
+        stacklevel=4,
+    )
 
 
 def _repeated_blocks(skeleton: nn.Module) -> list[nn.Module]:
@@ -256,7 +289,8 @@ class Rerun:
         # Copies of the buffers: a batch norm's running statistics, updated by the
         # forward, are not updated a second time by the recomputation.
         frozen = slots.frozen_names
-        buffers = {k: b if k in frozen else b.clone() for k, b in self.buffers.items()}
+        with outside_dispatch_modes():  # pardist's copies: no op of the recomputed region
+            buffers = {k: b if k in frozen else b.clone() for k, b in self.buffers.items()}
         slots.put(self.params, buffers)
         calls = _calls()
         calls.append((slots, self.params, self.buffers, self.enter))

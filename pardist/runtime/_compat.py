@@ -65,6 +65,7 @@ __all__ = [
     "enable_saved_tensors_hooks",
     "saved_tensors_hooks_enabled",
     "storage_holders",
+    "outside_dispatch_modes",
     "torchrun_parser",
     "tracing",
 ]
@@ -109,6 +110,16 @@ from pardist.runtime._compat_inductor import (  # noqa: E402
     inductor_lowering,
     inductor_overlap_passes,
 )
+
+
+def outside_dispatch_modes():
+    """A context in which no TorchDispatchMode sees the ops run
+    (torch.utils._python_dispatch._disable_current_modes, since 1.13): work that belongs
+    to pardist, not to the region a mode watches (a selective checkpoint's recomputation
+    must run exactly the forward's ops)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def tracing() -> bool:
