@@ -23,6 +23,7 @@ never mix compiled and eager collectives.
 from __future__ import annotations
 
 import functools
+import logging
 import types
 import warnings
 import weakref
@@ -189,12 +190,13 @@ class CompiledStep:
         self.backend.agreeing, self.backend.verdict = first, None
         hooks = saved_tensors_hooks_enabled()
         try:
-            if not first:
-                return self.compiled(step.fn, self.plans[key], args, kwargs)
-            # Hyper-parameters read as Python floats (batch norm's momentum, eps) are
-            # constants: specialized now, dynamo need not trace twice to learn it.
-            with dynamo.config.patch(specialize_float=True):
-                return self.compiled(step.fn, self.plans[key], args, kwargs)
+            with quiet_loggers():
+                if not first:
+                    return self.compiled(step.fn, self.plans[key], args, kwargs)
+                # Hyper-parameters read as Python floats (batch norm's momentum, eps) are
+                # constants: specialized now, dynamo need not trace twice to learn it.
+                with dynamo.config.patch(specialize_float=True):
+                    return self.compiled(step.fn, self.plans[key], args, kwargs)
         except Exception as e:
             _beside.abandon()  # sums it started and never waited for
             if hooks and not saved_tensors_hooks_enabled():  # left off by torch.func: back on
@@ -272,12 +274,31 @@ class CompiledStep:
         except (KeyError, TypeError):
             pass
         options = {k: v for k, v in self.loss_options.items() if v is not None}
-        compiled = torch.compile(f, fullgraph=False, **options)
+        inner = torch.compile(f, fullgraph=False, **options)
+
+        @functools.wraps(f)
+        def compiled(*args: Any, **kwargs: Any) -> Any:
+            with quiet_loggers():
+                return inner(*args, **kwargs)
+
         try:
             self.losses[f] = compiled
         except TypeError:  # (not weakly referable: compiled anew, dynamo's cache is per code)
             pass
         return compiled
+
+
+def quiet_loggers():
+    """Dynamo set to trace past ``logging.Logger`` calls as no-ops instead of stopping: a
+    model's loss that logs (Hugging Face's ``logger.warning_once`` in ``loss_function``)
+    compiles. What they would have logged is not logged from inside a graph."""
+    methods = {
+        getattr(logging.Logger, name)
+        for name in ("debug", "info", "warning", "warn", "error", "critical", "exception")
+        + ("log", "warning_once", "info_once", "warning_advice")
+        if callable(getattr(logging.Logger, name, None))
+    }
+    return dynamo.config.patch(ignore_logger_methods=methods)
 
 
 def _fsdp_shards(args: tuple) -> bool:

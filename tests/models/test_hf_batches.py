@@ -133,3 +133,45 @@ def _keys_differ():
 def test_keys_that_differ_between_ranks_are_named(run):
     for message in run(2, _keys_differ):
         assert "args[1]['token_type_ids'] is only on rank 1" in message
+
+
+def _compiled_hf_loss(compile: bool):  # noqa: A002 - data_parallel's word
+    import warnings
+
+    tok = tokenizer()
+    net = model(len(tok))
+    apply, params, _ = pardist.functional(net)
+    start = {k: v.clone() for k, v in params.items()}
+    opt = pardist.optim.sgd(0.1)
+    state = opt.init(params)
+    collate = tf.DataCollatorForLanguageModeling(tok, mlm=False)
+    batch = collate([tok(line) for line in LINES[pardist.rank() * 4 : pardist.rank() * 4 + 4]])
+
+    @pardist.data_parallel(compile=compile)
+    def step(p, s, b):
+        def loss(p):  # Hugging Face's own loss: its loss_function logs (warning_once)
+            return apply(p, {}, input_ids=b["input_ids"], labels=b["labels"])[0].loss
+
+        value, g = pardist.value_and_grad(loss)(p)
+        return (*opt.update(g, s, p), value)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            params, state, value = step(params, state, dict(batch))
+    said = [str(c.message) for c in caught if "compile=True" in str(c.message)]
+    graphs = step.compiled.backend.graphs if compile else 0
+    return {k: params[k] - start[k] for k in params}, float(value), said, graphs
+
+
+def test_a_hugging_face_loss_that_logs_compiles_in_one_graph(run):
+    """HF's loss_function calls logger.warning_once, which stopped dynamo; a compiled step
+    traces past logging calls. Both runs cast the logits to float32 in HF's loss (its
+    ``logits.float()``), so they agree to float32's rounding of the loss's gradient (a
+    relative 1e-5 over two steps, with room), not float64's."""
+    eager = run(2, _compiled_hf_loss, False)
+    for (p_c, v_c, said, graphs), (p_e, v_e, _, _) in zip(run(2, _compiled_hf_loss, True), eager):
+        assert said == [] and graphs == 1
+        assert abs(v_c - v_e) <= 1e-5 * abs(v_e)
+        for k in p_e:  # the change of each weight over the two steps
+            assert (p_c[k] - p_e[k]).abs().max() <= 1e-5 * p_e[k].abs().max() + 1e-15, k
