@@ -2,9 +2,11 @@
 
 A checkpoint is a directory that DCP writes (``.metadata`` plus ``*.distcp`` data
 files) and that pardist commits atomically: every rank writes into
-``<path>.tmp``, rank 0 adds the commit marker ``pardist.json`` and renames the
-directory into place. A process killed during a save leaves a ``.tmp`` directory
-that :func:`latest` and :func:`load` ignore, and the previous checkpoint intact.
+``<path>.tmp-<run>`` (the run's own), rank 0 adds the commit marker ``pardist.json``
+and renames the directory into place. A process killed during a save leaves a ``.tmp-``
+directory that :func:`latest` and :func:`load` ignore (the next run's save removes it),
+and the previous checkpoint intact. Loading reads data, never code (``runtime._safe_dcp``):
+docs/checkpoints.md says what that protects against and what it does not.
 
 What is written, and by whom:
 
@@ -41,6 +43,7 @@ from pardist.runtime import (
     MARKER,
     CheckpointError,
     _progress,
+    _safe_dcp,
     _tree,
     cause,
     claim_folder,
@@ -133,11 +136,12 @@ def save(
         path: the checkpoint directory; with ``step``, the directory of
             checkpoints, and this one goes to ``path/<step>`` (orbax's layout).
         tree: any pytree (dicts, lists, tuples, NamedTuples) of tensors, DTensors,
-            picklable Python values and ``pardist.data.shard`` loaders (saved as
-            their position; ``load`` makes the loader in ``like`` continue from
-            it). Plain leaves must be the same on every rank (they are written
-            once, by rank 0); DTensor leaves are written shard by shard by the
-            ranks that hold them.
+            plain Python values (numbers, strings, and lists and dicts of them: what
+            ``torch.load(weights_only=True)`` reads back; anything else is refused,
+            naming it) and ``pardist.data.shard`` loaders (saved as their position;
+            ``load`` makes the loader in ``like`` continue from it). Plain leaves must
+            be the same on every rank (they are written once, by rank 0); DTensor
+            leaves are written shard by shard by the ranks that hold them.
         step: the step number, which names the checkpoint inside ``path``.
         keep: with ``step``, keep only the newest ``keep`` checkpoints in ``path``.
 
@@ -146,6 +150,7 @@ def save(
 
     Raises:
         ValueError: a plain leaf differs between ranks (named by its path).
+        TypeError: a leaf that loading would have to run code to rebuild.
 
     Example:
         >>> import pardist, tempfile, torch
@@ -164,9 +169,11 @@ def save(
     from torch.distributed.tensor import DTensor
 
     final = Path(path) / str(int(step)) if step is not None else Path(path)
-    tmp = final.with_name(final.name + ".tmp")
     named, _ = _flat(tree)
     named = [(k, leaf.state_dict() if _stateful(leaf) else leaf) for k, leaf in named]
+    for key, leaf in named:  # what a load must read as data, never as code
+        if not isinstance(leaf, torch.Tensor):
+            _safe_dcp.check_leaf(key, leaf, "pardist.checkpoint.save")
     if _distributed() and dist.get_world_size() > 1:
         plain = [(p, leaf) for p, leaf in named if not isinstance(leaf, DTensor)]
         differs = _replication.mismatch(plain, dist.group.WORLD)
@@ -178,12 +185,16 @@ def save(
                 "from the step and the rank), or make a sharded value a DTensor."
             )
 
-    def clear_stale() -> None:  # a save killed part-way left this behind
-        shutil.rmtree(tmp, ignore_errors=True)
+    def prepare() -> str:  # this run's temporary folder (a killed save's is removed)
         final.parent.mkdir(parents=True, exist_ok=True)
-        claim_folder(final.parent)
+        run = claim_folder(final.parent)
+        shutil.rmtree(final.with_name(f"{final.name}.tmp-{run}"), ignore_errors=True)
+        shutil.rmtree(final.with_name(f"{final.name}.tmp"), ignore_errors=True)  # (older)
+        return run
 
-    _on_rank0(f"prepare {tmp}", clear_stale)
+    # Named by rank 0's run (its pid), the same on every rank: two runs saving into one
+    # directory never write into one folder.
+    tmp = final.with_name(f"{final.name}.tmp-{_on_rank0(f'prepare {final}', prepare)}")
     try:
         dcp.save(
             dict(named),
@@ -213,7 +224,7 @@ def save(
 def latest(path: str | os.PathLike, *, verify_files: bool = False) -> str | None:
     """The newest committed checkpoint saved with ``step=`` in ``path``, or None.
 
-    Interrupted saves (``<step>.tmp``) are never returned, so resuming after a crash
+    Interrupted saves (``<step>.tmp-<run>``) are never returned, so resuming after a crash
     picks the last checkpoint that was written whole. A checkpoint whose commit marker
     cannot be read (or, with ``verify_files``, whose files changed since they were
     saved) is skipped with a warning that names it, for the one before it: a restart
@@ -238,9 +249,13 @@ def latest(path: str | os.PathLike, *, verify_files: bool = False) -> str | None
 
 
 def _check_against(path: Path, named: list[tuple[str, Any]]) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:
+        metadata = _safe_dcp.reader_class()(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a damaged or crafted index: never a crash
+        raise CheckpointError(
+            f"pardist.checkpoint.load: {path / '.metadata'} cannot be read "
+            f"({type(e).__name__}: {str(e)[:300]}). Load an earlier checkpoint."
+        ) from None
     missing = [key for key, _ in named if key not in metadata]
     if missing:
         have = ", ".join(sorted(metadata)[:8]) + (" ..." if len(metadata) > 8 else "")
@@ -282,7 +297,6 @@ def load(path: str | os.PathLike, like: Any) -> Any:
             with another shape.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     path = Path(path)
     if not (path / MARKER).is_file():
@@ -296,8 +310,8 @@ def load(path: str | os.PathLike, like: Any) -> Any:
             f"{MARKER}).{hint}"
         )
     named, treedef = _flat(like)
+    verify(path)  # every file as committed, before any is read (the index is a pickle)
     _check_against(path, named)
-    verify(path)
     state = {
         key: torch.empty_like(leaf)
         if isinstance(leaf, torch.Tensor)
@@ -306,11 +320,11 @@ def load(path: str | os.PathLike, like: Any) -> Any:
         else leaf
         for key, leaf in named
     }
-    planner = DefaultLoadPlanner(flatten_state_dict=False, allow_partial_load=True)
+    planner = _safe_dcp.planner_class()(flatten_state_dict=False, allow_partial_load=True)
     try:
         dcp.load(
             state,
-            storage_reader=dcp.FileSystemReader(str(path)),
+            storage_reader=_safe_dcp.reader_class()(str(path)),
             planner=planner,
             no_dist=not _distributed(),
         )

@@ -174,14 +174,16 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert parent.recv() == "committing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
-    assert (tmp_path / "2.tmp" / ".metadata").exists()  # step 2's data was written...
+    killed = tmp_path / f"2.tmp-{proc.pid}"  # the run's own temporary folder
+    assert (killed / ".metadata").exists()  # step 2's data was written...
     assert checkpoint.latest(tmp_path) == str(tmp_path / "1")  # ...but never committed
     loaded = checkpoint.load(checkpoint.latest(tmp_path), {"w": torch.zeros(3), "step": 0})
     assert torch.equal(loaded["w"], torch.ones(3)) and loaded["step"] == 1
     with pytest.raises(FileNotFoundError, match="interrupted"):
-        checkpoint.load(tmp_path / "2.tmp", {"w": torch.zeros(3), "step": 0})
+        checkpoint.load(killed, {"w": torch.zeros(3), "step": 0})
     checkpoint.save(tmp_path, {"w": torch.full((3,), 2.0), "step": 2}, step=2)  # retry works
-    assert checkpoint.steps(tmp_path) == [1, 2] and not (tmp_path / "2.tmp").exists()
+    assert checkpoint.steps(tmp_path) == [1, 2]
+    assert not killed.exists()  # the dead run's leftovers, removed by the next save
 
 
 def test_a_flipped_bit_is_caught_naming_the_file(tmp_path):
@@ -215,12 +217,12 @@ def test_a_full_disk_is_named_and_keeps_the_last_checkpoint(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
         message = pool.apply_async(_save_past_a_size_limit, (str(tmp_path),)).get(timeout=240)
-    assert "the disk is full" in message and f"{tmp_path / '2.tmp'}" in message, message
+    assert "the disk is full" in message and f"{tmp_path / '2.tmp-'}" in message, message
     assert f"the last good checkpoint, {tmp_path / '1'}, is intact" in message, message
     assert checkpoint.latest(tmp_path) == str(tmp_path / "1")
     got = checkpoint.load(checkpoint.latest(tmp_path), {"w": torch.zeros(4)})
     assert torch.equal(got["w"], torch.ones(4))
-    assert not (tmp_path / "2.tmp").exists()
+    assert not list(tmp_path.glob("2.tmp*"))
 
 
 def test_resume_says_what_it_did(tmp_path, capsys):
@@ -265,25 +267,40 @@ def test_resume_skips_a_checkpoint_whose_data_changed(tmp_path):
     assert state["epoch"] == 1 and torch.equal(state["w"], torch.arange(1000.0))
 
 
-def _save_and_wait(folder: str, started, done) -> None:
+def _save_and_wait(folder: str, started, again, done, told) -> None:
+    import warnings
+
     checkpoint.save(folder, {"w": torch.ones(2)}, step=1)
     started.set()
+    again.wait(120)  # the other run has saved into the folder too
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.save(folder, {"w": torch.ones(2)}, step=3)
+    told.send([str(w.message) for w in caught])
     done.wait(120)
 
 
 def test_two_runs_saving_into_one_directory_are_warned_of(tmp_path):
     # F11: another live process holds the directory; a finished (or crashed) one does not.
     ctx = multiprocessing.get_context("spawn")
-    started, done = ctx.Event(), ctx.Event()
-    other = ctx.Process(target=_save_and_wait, args=(str(tmp_path), started, done))
+    started, again, done = ctx.Event(), ctx.Event(), ctx.Event()
+    told, tell = ctx.Pipe()
+    args = (str(tmp_path), started, again, done, tell)
+    other = ctx.Process(target=_save_and_wait, args=args)
     other.start()
     try:
         assert started.wait(240)
         with pytest.warns(UserWarning, match=f"another running process \\(pid {other.pid}\\)"):
             checkpoint.save(tmp_path, {"w": torch.ones(2)}, step=2)
+        again.set()
+        assert told.poll(240)
+        said = told.recv()  # and the first run is told of the second
+        assert any(f"another running process (pid {os.getpid()})" in m for m in said), said
     finally:
         done.set()
         other.join(60)
+    for step in (1, 2, 3):  # each checkpoint is whole, one run's
+        assert checkpoint.load(tmp_path / str(step), {"w": torch.zeros(2)})["w"].sum() == 2
     later = tmp_path / "later"
     checkpoint.save(later, {"w": torch.ones(2)}, step=1)  # (this process's own: no warning)
     import warnings

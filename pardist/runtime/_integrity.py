@@ -57,6 +57,8 @@ def marker(path: Path) -> dict:
             found = json.load(f)
         if not isinstance(found, dict) or not isinstance(found.get("checksums"), dict):
             raise ValueError("not a pardist commit marker")
+        if not found["checksums"]:
+            raise ValueError("it lists no file")
     except (OSError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
         raise CheckpointError(
             f"pardist.checkpoint: {path / MARKER} cannot be read ({type(e).__name__}: {e}): "
@@ -67,16 +69,28 @@ def marker(path: Path) -> dict:
 
 
 def verify(path: Path, files: bool = True) -> None:
-    """The marker reads, and every file it lists still has the checksum it was saved with
-    (``files=False``: the marker only)."""
+    """The checkpoint is as it was committed, before any of its files is read: the marker
+    reads and lists files, every file it lists is there, none it does not list, and (with
+    ``files``) each still has the checksum it was saved with. A CheckpointError names the
+    first file that is not."""
     saved = marker(path)["checksums"]
-    for name, want in saved.items() if files else ():
+    damaged = "Load an earlier checkpoint (pardist.checkpoint.steps(dir) lists them)."
+    present = {f.name for f in path.iterdir() if f.name != MARKER}
+    for name in sorted(set(saved) - present):
+        raise CheckpointError(
+            f"pardist.checkpoint: {path / name} is missing: the commit marker lists it. " + damaged
+        )
+    for name in sorted(present - set(saved)):
+        raise CheckpointError(
+            f"pardist.checkpoint: {path / name} is not one of the files the commit marker "
+            "lists (a file put there after the save). " + damaged
+        )
+    for name, want in sorted(saved.items()) if files else ():
         file = path / name
-        if file.is_file() and crc(file) != want:
+        if not file.is_file() or crc(file) != want:
             raise CheckpointError(
                 f"pardist.checkpoint.load: {file} does not have the checksum it was saved "
-                "with: the file changed on disk (a flipped bit, a partial copy). Load an "
-                "earlier checkpoint (pardist.checkpoint.steps(dir) lists them)."
+                "with: the file changed on disk (a flipped bit, a partial copy). " + damaged
             )
 
 
@@ -161,37 +175,76 @@ def commit(tmp: Path, final: Path, step: int | None, keys: int, keep: int | None
     return str(final)
 
 
-_claimed: dict[str, int] = {}  # directory -> the descriptor holding its lock
+_runs: dict[str, int] = {}  # directory -> the descriptor of this run's file in it
+_warned: set[tuple[str, str]] = set()  # (directory, other run) already warned of
+_RUN = "pardist.run."  # + pid: a run saving into the directory (its file, locked by it)
 
 
-def claim_folder(folder: Path) -> None:
-    """Hold ``folder``'s lock while this process lives (rank 0); warn if another does.
+def claim_folder(folder: Path) -> str:
+    """Mark ``folder`` as saved into by this run (rank 0), and warn of any other live run
+    that saves into it too, at every save (so both runs learn of each other); the
+    name of this run's temporary folders (its pid).
 
-    Two runs saving into one directory would mix their steps (``latest`` then picks
-    either). A lock the kernel drops when its process dies (``flock``), so a run that
-    restarts after a crash finds the directory free.
+    Each run holds an ``flock`` (the kernel drops it when the process dies) on a file of
+    its own, ``pardist.run.<pid>``, made with ``O_EXCL | O_NOFOLLOW``: pardist never
+    follows a link someone put there, nor truncates or writes a file it did not create.
+    Another run's file that no process holds is a dead run's: it is removed, with the
+    temporary folders that run left. Each run saves into temporary folders named by its
+    pid, so two runs never write into one.
     """
     import fcntl
 
     key = str(folder.resolve())
-    if key in _claimed:
-        return
-    fd = os.open(folder / "pardist.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    me = str(os.getpid())
+    if key not in _runs:
+        mine = folder / f"{_RUN}{me}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            if mine.is_symlink() or mine.exists():  # a dead process's pid, reused
+                mine.unlink()
+            fd = os.open(mine, flags, 0o644)
+        except OSError as e:
+            raise CheckpointError(
+                f"pardist.checkpoint.save: cannot make {mine} ({e}); the directory must be "
+                "writable, and pardist follows no link in it."
+            ) from None
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, me.encode())
+        _runs[key] = fd
+    for other in sorted(folder.glob(f"{_RUN}*")):
+        pid = other.name[len(_RUN) :]
+        if pid == me or other.is_symlink() or not other.is_file():
+            continue
+        if _held(other):
+            if (key, pid) not in _warned:
+                _warned.add((key, pid))
+                import warnings
+
+                warnings.warn(
+                    f"pardist.checkpoint.save: another running process (pid {pid}) saves "
+                    f"checkpoints into {folder} too; their steps would mix, and latest() "
+                    "would pick either run's. Give each run a directory of its own.",
+                    stacklevel=4,
+                )
+        else:  # a dead run's: its file and its unfinished saves
+            other.unlink(missing_ok=True)
+            for left in folder.glob(f"*.tmp-{pid}"):
+                shutil.rmtree(left, ignore_errors=True)
+    return me
+
+
+def _held(file: Path) -> bool:
+    """Whether a live process holds ``file``'s flock (tried without waiting or following)."""
+    import fcntl
+
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        return True
+    finally:
         os.close(fd)
-        _claimed[key] = -1
-        import warnings
-
-        warnings.warn(
-            f"pardist.checkpoint.save: another running process (pid {other}) saves "
-            f"checkpoints into {folder} too; their steps would mix, and latest() would pick "
-            "either run's. Give each run a directory of its own.",
-            stacklevel=4,
-        )
-        return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _claimed[key] = fd
+    return False
