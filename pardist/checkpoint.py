@@ -111,6 +111,25 @@ def _stateful(leaf: Any) -> bool:
     return not isinstance(leaf, torch.Tensor) and callable(getattr(leaf, "load_state_dict", None))
 
 
+def _same_path(path: Any, where: str) -> None:
+    """Every rank was given the same checkpoint path (else an error naming them, on every
+    rank): a folder per rank (``tempfile.mkdtemp()`` on each) would have each rank read
+    and write its own, and their collectives part ways."""
+    if not _distributed() or dist.get_world_size() == 1:
+        return
+    mine = os.path.abspath(os.fspath(path))
+    paths: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(paths, mine)
+    if len(set(paths)) > 1:
+        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise ValueError(
+            f"{where}: the ranks were given different paths ({shown}). Give every rank the "
+            "same checkpoint directory, one that every rank can read (a shared filesystem "
+            "across hosts): make it once, e.g. on rank 0, and share its name "
+            "(pardist.gather_object)."
+        )
+
+
 def _on_rank0(what: str, fn, *args) -> Any:
     """Run ``fn`` on rank 0 only; every rank returns its result or raises its error."""
     outcome: list[Any] = [None]
@@ -164,6 +183,7 @@ def save(
     """
     if keep is not None and (step is None or keep < 1):
         raise ValueError(f"pardist.checkpoint.save: keep={keep!r} needs step= and keep >= 1.")
+    _same_path(path, "pardist.checkpoint.save")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.tensor import DTensor
@@ -298,6 +318,7 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     """
     import torch.distributed.checkpoint as dcp
 
+    _same_path(path, "pardist.checkpoint.load")
     path = Path(path)
     if not (path / MARKER).is_file():
         hint = (
@@ -360,6 +381,7 @@ def resume(path: str | os.PathLike, like: Any, *, total: int | None = None, key:
         >>> state = pardist.checkpoint.resume(d, {'w': torch.zeros(1), 'epoch': 0}, total=3)
         pardist.checkpoint: nothing left to do: epoch 3 of 3 already done (...)
     """
+    _same_path(path, "pardist.checkpoint.resume")
     state = last = None
     for step in reversed(committed_steps(path)):  # the newest that reads back whole
         try:

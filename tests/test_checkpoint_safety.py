@@ -139,3 +139,33 @@ def test_the_run_file_follows_no_link_and_overwrites_nothing(tmp_path):
     checkpoint.save(folder, {"w": torch.ones(2)}, step=1)
     assert victim.read_text() == "keep me"
     assert not (folder / f"pardist.run.{os.getpid()}").is_symlink()  # its own file, made anew
+
+
+def _a_folder_per_rank(base: str):
+    import tempfile
+
+    import pardist
+
+    mine = tempfile.mkdtemp(dir=base)  # the mistake: a different folder on every rank
+    out = []
+    for call in (
+        lambda: checkpoint.save(mine, {"w": torch.ones(2)}, step=1),
+        lambda: checkpoint.resume(mine, {"w": torch.zeros(2)}),
+        lambda: checkpoint.load(mine, {"w": torch.zeros(2)}),
+    ):
+        try:
+            call()
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return mine, out, pardist.rank()
+
+
+def test_a_folder_per_rank_is_an_error_naming_both(run, tmp_path):
+    results = run(2, _a_folder_per_rank, str(tmp_path))
+    paths = [mine for mine, _, _ in results]
+    for _, messages, _ in results:
+        for what, message in zip(("save", "resume", "load"), messages):
+            assert message is not None, what
+            assert f"pardist.checkpoint.{what}: the ranks were given different paths" in message
+            assert f"rank 0: {paths[0]}; rank 1: {paths[1]}" in message
