@@ -161,6 +161,8 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
         args.standalone = True
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+        # The workers' own store too: rank 0 hosts it at this address, on loopback.
+        args.local_addr = args.local_addr or "127.0.0.1"
         args.rdzv_id = str(uuid.uuid4())
         args.standalone = False  # done here, so that run() keeps our endpoint
 
@@ -305,7 +307,8 @@ def _explain(exc: BaseException, join_timeout: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``python -m pardist.launch [options] script.py args...``; exits non-zero on failure."""
-    from torch.distributed.run import run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
 
     from pardist.launch._ports import PortInUseError
 
@@ -322,11 +325,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from pardist.launch import _failures
+    from pardist.launch import _failures, _rendezvous
     from pardist.transport import _segments
 
     try:
-        run(args)
+        config, cmd, cmd_args = config_from_args(args)  # torch's run(), with our stores
+        config.rdzv_backend = _rendezvous.register(config.rdzv_backend)
+        elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C, kill: 128 + the signal
         signum = getattr(exc, "sigval", signal.SIGINT)
         print(f"{WHERE}: stopped by {signal.Signals(signum).name}", file=sys.stderr)

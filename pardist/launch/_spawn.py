@@ -16,6 +16,7 @@ touches CUDA in the parent, and a parent that did is refused with the fix.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -28,8 +29,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from pardist.runtime import _listen
 from pardist.transport import _segments
 
 __all__ = ["SpawnError", "Workers", "spawn"]
@@ -43,6 +44,7 @@ except ImportError:  # pragma: no cover
 # before they are stopped: they are usually waiting for the failed rank in a
 # collective, and their own errors only add detail.
 GRACE_S = 5.0
+_STORE_TIMEOUT = datetime.timedelta(seconds=300)  # torch's default
 
 
 class SpawnError(RuntimeError):
@@ -225,7 +227,14 @@ class Workers:
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
         # The store's server thread starts after the fork: a process forked while
         # another thread holds a lock (in the allocator, an import) can hang.
-        self._store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
+        self._store = _listen.store_server(
+            "127.0.0.1",
+            0,
+            single_node=True,
+            timeout=_STORE_TIMEOUT,
+            world_size=nprocs,
+            wait_for_workers=False,
+        )
         self._port = self._store.port
         for conn in self._conns:
             conn.send_bytes(pickle.dumps(self._port))

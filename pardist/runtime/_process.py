@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults
+from pardist.runtime import _faults, _listen
 from pardist.runtime._faults import DEFAULT_TIMEOUT_S
 
 __all__ = [
@@ -197,6 +197,7 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
             _debug_level_before = dist.get_debug_level()
             dist.set_debug_level(dist.DebugLevel.DETAIL)
         _faults.set_timeout(kwargs["timeout"].total_seconds())
+        _listen.gloo_on_loopback()
         _faults.record_uncaught()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             store = _attempt_store(kwargs["timeout"]) or _env_store(kwargs["timeout"])
@@ -253,15 +254,21 @@ def _env_store(timeout: datetime.timedelta):
     if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         return None
     join = float(os.environ.get("PARDIST_JOIN_TIMEOUT", "600"))
-    store = dist.TCPStore(
+    host, port, world = (
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         int(os.environ["WORLD_SIZE"]),
-        is_master=int(os.environ["RANK"]) == 0,
+    )
+    kwargs = dict(
         timeout=max(timeout, datetime.timedelta(seconds=join)),
         wait_for_workers=True,
         multi_tenant=True,  # as env:// (another group in this process may share the port)
     )
+    if int(os.environ["RANK"]) == 0:  # loopback when the run is on one machine
+        single = _listen.single_node()
+        store = _listen.store_server(host, port, single_node=single, world_size=world, **kwargs)
+    else:
+        store = dist.TCPStore(host, port, world, is_master=False, **kwargs)
     store.set_timeout(timeout)
     return store
 
