@@ -194,10 +194,10 @@ class SharedMemoryGroup:
         out of step? Then the ones it waits for will not come: say so now, not at timeout."""
         mine, flags, stride = _stepmark.now(), self._flags, _FLAG_BYTES // 8
         for k in range(self.size):
-            if k == self.index or flags[k * stride] >= seq:
-                continue  # (arrived)
+            # Its mark first, then its arrival: a rank posts arrival before it moves on,
+            # so one that arrived and left since is seen to have arrived (not as gone).
             did = _stepmark.departure(mine, int(flags[k * stride + _STEP]))
-            if did is None:
+            if k == self.index or did is None or flags[k * stride] >= seq:
                 continue
             me, doing = self.ranks[self.index], _stepmark.describe(self._doing)
             _stepmark.out_of_step(

@@ -22,7 +22,8 @@ def main() -> None:
     step = pardist.data_parallel(lambda w, x: pardist.grad(lambda w, x: (x @ w).sum())(w, x))
     grads = step(torch.ones(3), torch.ones(2, 3))
     held = [step, grads, pardist.psum(torch.ones(1), "gpu"), pardist.Mesh({"gpu": -1})]
-    pardist.checkpoint.save(tempfile.mkdtemp(), {"w": grads}, step=1)
+    folder = pardist.gather_object(tempfile.mkdtemp() if pardist.rank() == 0 else None)[0]
+    pardist.checkpoint.save(folder, {"w": grads}, step=1)
     gc.disable()  # the collector may run at any time; here it has not run yet
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
     ddp(torch.ones(2, 3)).sum().backward()
