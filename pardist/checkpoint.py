@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pardist import transport
 from pardist.runtime import (
     MARKER,
     CheckpointError,
@@ -119,6 +120,7 @@ def _same_path(path: Any, where: str) -> None:
         return
     mine = os.path.abspath(os.fspath(path))
     paths: list[Any] = [None] * dist.get_world_size()
+    transport.agree(where, dist.group.WORLD)  # every rank here, at the same call of any step
     dist.all_gather_object(paths, mine)
     if len(set(paths)) > 1:
         shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(paths))

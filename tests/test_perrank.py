@@ -183,6 +183,23 @@ def test_default_mean_over_ranks_is_ddps(run):
         assert_close64(losses, losses1, "losses")
 
 
+def _empty_under_ranks():
+    try:
+        _uneven("ranks", COUNTS)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("env", TRANSPORTS)
+def test_an_empty_shard_under_mean_ranks_stops_every_rank_naming_mean_rows(run, env):
+    # Its mean is 0/0: the loss would be nan and the gradient half the other rank's,
+    # under a warning that every rank's gradients were non-finite (they were not).
+    for message in run(2, _empty_under_ranks, env=env):
+        assert "rank(s) [0] of axis 'gpu'" in message and "[0, 7] rows" in message, message
+        assert "mean='rows'" in message, message
+
+
 def test_equal_shards_give_the_same_bits_either_way(run):
     equal = [(4, 4, 4)] * 3  # three ranks: a third is not exact in binary
     by_rows = run(3, _uneven, "rows", equal)

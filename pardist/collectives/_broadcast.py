@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pardist import transport
 from pardist.collectives import _vma
 from pardist.collectives._collectives import _map
 from pardist.runtime import _faults, _mesh, _tree
@@ -60,6 +61,7 @@ def _agree(tree: Any, group, src: int, names: tuple) -> None:
         if isinstance(x, torch.Tensor)
     ]
     everyone: list = [None] * dist.get_world_size(group)
+    transport.agree("pardist.broadcast", group)
     with _faults.collective_errors("pardist.broadcast", group):
         dist.all_gather_object(everyone, mine, group=group)
     source = everyone[src]

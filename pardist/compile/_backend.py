@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pardist import transport
 from pardist.compile import _beside, _guard, _layout
 from pardist.runtime import (
     TorchCompileInductorWrapper,
@@ -137,6 +138,7 @@ def agree(problem: str | None) -> str:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return problem or ""
     verdicts: list = [None] * dist.get_world_size()
+    transport.agree("pardist.compile's verdict on compiling", dist.group.WORLD)
     dist.all_gather_object(verdicts, problem)
     for rank, v in enumerate(verdicts):
         if v:

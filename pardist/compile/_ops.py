@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from pardist import transport
 from pardist.runtime import _process
 from pardist.transport import _shm, _shmgroups
 
@@ -61,6 +62,7 @@ def shm_all_reduce(x: torch.Tensor, group: str, op: str) -> torch.Tensor:
     y = x.clone(memory_format=torch.contiguous_format)
     shm = _shmgroups.for_collectives(_group(group))
     if shm is None:
+        transport.agree("pardist.psum (compiled)", _group(group), y)
         dist.all_reduce(
             y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=_group(group)
         )
@@ -86,6 +88,7 @@ def shm_all_gather(x: torch.Tensor, group: str, size: int) -> torch.Tensor:
             parts = [
                 torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(size)
             ]
+            transport.agree("pardist.all_gather (compiled)", _group(group), x)
             dist.all_gather(parts, x.contiguous(), group=_group(group))
         else:
             arena.view(arena.index, 0, x.numel(), x.dtype).copy_(x.reshape(-1))
@@ -109,6 +112,7 @@ def shm_reduce_scatter(x: torch.Tensor, group: str, size: int, index: int) -> to
     arena = _arena(group, nbytes)
     if arena is None:
         out = x.new_empty(x.numel() // size)
+        transport.agree("pardist.psum_scatter (compiled)", _group(group), x)
         dist.reduce_scatter_tensor(out, x.contiguous(), group=_group(group))
         return out
     mine = arena.view(arena.index, 0, x.numel(), x.dtype)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import _mesh, _tree
+from pardist.transport import agree
 
 __all__ = ["all_gather_ints", "gather", "gather_batch", "gather_object"]
 
@@ -40,6 +41,7 @@ def all_gather_ints(values: list[int], group: Any = None) -> list[list[int]]:
     group = group if group is not None else dist.group.WORLD
     mine = torch.tensor(values, dtype=torch.int64, device=_comm_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    agree("pardist's count of each rank's batches", group, mine)
     dist.all_gather(everyone, mine, group=group)
     return [t.tolist() for t in everyone]
 
@@ -70,6 +72,7 @@ def gather_object(obj: Any, axis: str | tuple[str, ...] = "gpu") -> list[Any]:
         return [obj]
     group = mesh.group(axis)
     out: list[Any] = [None] * dist.get_world_size(group)
+    agree("pardist.gather_object", group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -131,6 +134,7 @@ def gather(tree: Any, axis: str | tuple[str, ...] = "gpu", *, total: int | None 
         group = mesh.group(axis)
         mine = [(str(x.dtype).removeprefix("torch."), tuple(x.shape), p) for p, x in named]
         metas: list[Any] = [None] * size
+        agree(where, group)
         dist.all_gather_object(metas, mine, group=group)
         _same_structure(metas)
         lengths = [[shape[0] for _, shape, _ in m] for m in metas]

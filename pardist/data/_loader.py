@@ -30,6 +30,7 @@ from pardist.data._download import untar
 from pardist.data._even import Even, check_even, even
 from pardist.data._position import skip_first_batches
 from pardist.runtime import _mesh, _placement, _process, _seed, debug_enabled
+from pardist.transport import agree
 
 __all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "skip_first_batches", "untar"]
 
@@ -190,6 +191,7 @@ class ShardedLoader:
             self._sampler.set_epoch(epoch)
         order = [list(self._sampler)]
         if share:  # a custom sampler may draw differently per rank: rank 0's order wins
+            agree(f"{_WHERE}'s order of epoch {epoch}", dist.group.WORLD)
             dist.broadcast_object_list(order, src=0)
         if len(order[0]) != self.n:
             raise ValueError(

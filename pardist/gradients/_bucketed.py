@@ -285,6 +285,8 @@ def _value(call: Call, ctx: StepContext, hand: _HandOver, reduced: list, values:
     check = _perrank.checked(everyone, ctx)
     need = check or call.mean == "rows"
     counts = counts.tolist() if need else None
+    if check and call.mean == "ranks":
+        _perrank.refuse_empty(everyone, counts, ctx, call.where)
     if check:
         _perrank.report(everyone, counts, call.mean, ctx, call.where)
     return _perrank.global_value(everyone, counts, call.mean, mine.dtype), counts

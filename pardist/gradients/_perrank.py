@@ -79,6 +79,26 @@ def checked(values: torch.Tensor, ctx: StepContext) -> bool:
     return values.is_cpu or debug_enabled()
 
 
+def refuse_empty(values: torch.Tensor, counts: list[int], ctx: StepContext, where: str):
+    """Under mean='ranks', a rank with no rows whose loss is a mean (nan): an error on
+    every rank. Its gradient is zero, so the average would be NaN and the gradient a
+    fraction of the others' mean, neither of them a number anyone asked for. (A loss
+    that is a sum, 0 on no rows, is fine.)"""
+    shown = values.tolist()
+    empty = [r for r, c in enumerate(counts) if c == 0 and not math.isfinite(shown[r])]
+    if not empty or len(empty) == len(counts):
+        return
+    axis = ctx.axis[0] if len(ctx.axis) == 1 else ctx.axis
+    raise ValueError(
+        f"{where}: rank(s) {empty} of axis {axis!r} (numbered along the axis) have an empty "
+        f"batch ({counts} rows) and a loss of nan: with mean='ranks' every rank's mean "
+        "counts equally, and an empty batch has none (0/0). Pass mean='rows' to weigh each rank "
+        "by its rows (an empty shard then has no weight: the gradient of the global "
+        "batch's mean), or give every rank rows (pardist.data.shard gives each rank "
+        "ceil(n / world size) samples, wrapping around). Every rank stops here."
+    )
+
+
 def report(values: torch.Tensor, counts: list[int], mean: str, ctx: StepContext, where: str):
     """Warn (raise under PARDIST_DEBUG=1) when some rank's loss is not finite."""
     debug = debug_enabled()
@@ -98,7 +118,8 @@ def report(values: torch.Tensor, counts: list[int], mean: str, ctx: StepContext,
         + ", ".join(f"rank {r}: {shown[r]}" for r in bad)
         + " (ranks numbered along the axis). "
         + (
-            "The gradient mean includes them, so every rank's gradients are non-finite. "
+            "The gradient mean includes theirs: where those are non-finite too, so are "
+            "every rank's. "
             if ctx.size > 1
             else ""
         )

@@ -19,6 +19,7 @@ from pardist.runtime import (
     foreach_norm,
     shard_group,
 )
+from pardist.transport import agree
 
 __all__ = ["clip_by_global_norm", "clip_by_value", "global_norm"]
 
@@ -54,6 +55,7 @@ def _sum_shards(mode, sharded: torch.Tensor, group, leaves: list) -> torch.Tenso
     """The sum over ranks of their shards' squares (over ``group``, else the DTensors')."""
     if group is None:
         group = next(x for x in leaves if isinstance(x, DTensor)).device_mesh.get_group()
+    agree("pardist.optim's global norm (the shards' squares)", group, sharded)
     dist.all_reduce(sharded, group=group)
     return sharded
 

@@ -41,6 +41,7 @@ from pardist.runtime import GroupRef, collective_starts, storage_holders
 from pardist.transport import (
     ALIGN,
     SharedMemoryGroup,
+    agree,
     all_gather_into,
     flat_layout,
     reduce_scatter_into,
@@ -168,6 +169,7 @@ class Transport:
             shared = self._gather_shared(layout, tag, shards)
             if shared is not None:
                 return shared
+        agree("pardist.fsdp's parameter gather", self._group.get())  # (gloo: transport.agree)
         work = []
         for bucket in layout.buckets:
             mine = self.pool.get(bucket.row + 1, bucket.dtype, bucket.device)
@@ -230,6 +232,8 @@ class Transport:
     def reduce_scatter(self, layout: Layout, tag: int, grads: list) -> list[torch.Tensor]:
         """This rank's flat shard of each mean gradient (None: unused, contributes zero)."""
         shards: list = [None] * len(layout.columns)
+        for group in ([self._group] if self.arena is None else []) + list(self._outer):
+            agree("pardist.fsdp's gradient reduce-scatter", group.get())
         for bucket in layout.buckets:
             out = self._grads.get(bucket.row, bucket.dtype, bucket.device)
             itemsize = bucket.dtype.itemsize

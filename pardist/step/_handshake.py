@@ -10,10 +10,13 @@ step and its count of calls entered:
   count rides in every collective's signature (calls one step apart never pair: every
   rank raises at once), and a rank waiting in a collective sees another rank begin a
   later call of the step (it raises within a tenth of a second, and shows the others);
-- over gloo, one all-reduce of two numbers at the start of every call (where the ranks
-  wait in other collectives instead, gloo's own checks stop them);
-- over a backend of GPU tensors only (NCCL between hosts), on the first call and under
-  ``PARDIST_DEBUG=1`` (a check on every call would stall the host).
+- over gloo, every collective pardist runs begins with a header (one all-reduce of two
+  numbers) that carries the call, the start of every call included: a rank one call
+  ahead meets the others' header of another call, and every rank raises at once,
+  naming each one's collective and call (``transport.agree``);
+- over a backend of GPU tensors only (NCCL between hosts), a header at the start of
+  the first call and, under ``PARDIST_DEBUG=1``, of every call and collective (a check
+  on every call would stall the host).
 """
 
 from __future__ import annotations
@@ -21,11 +24,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 
-import torch
 import torch.distributed as dist
 
-from pardist.runtime import StepMismatch, _process, debug_enabled
-from pardist.transport import _shmgroups, mark_step
+from pardist.runtime import _process, debug_enabled
+from pardist.transport import _shmgroups, header, mark_step, name_step
 
 __all__ = ["key", "stepping"]
 
@@ -50,38 +52,19 @@ def key(where: str, fn) -> int:
 @contextlib.contextmanager
 def stepping(group: dist.ProcessGroup, step_key: int, count: int, where: str):
     """Inside: call ``count`` of the step, every rank of ``group`` in it (else an error)."""
-    if _cpu() and _shmgroups.for_collectives(group) is not None:
-        mark = step_key << 41 | count << 1 | 1
-        before = mark_step(mark)
-        try:
-            yield
-        finally:  # left: the call's mark without bit 0 (an outer step's mark, if any)
-            mark_step(before, before or mark - 1)
-        return
-    _compare(group, count, where)
-    yield
+    mark = step_key << 41 | count << 1 | 1
+    before = mark_step(mark)  # (raises once the ranks were found out of step)
+    name_step(step_key, where)
+    try:
+        if not (_cpu() and _shmgroups.for_collectives(group) is not None):
+            if _cpu() or count == 1 or debug_enabled():
+                header(f"{where} (the start of a call)", group)
+        yield
+    finally:  # left: the call's mark without bit 0 (an outer step's mark, if any)
+        mark_step(before, before or mark - 1)
 
 
 def _cpu() -> bool:
     """Whether the ranks compute on the CPU (their collectives then go through gloo or
     shared memory; on GPUs, through the accelerator's backend)."""
     return _process.device().type == "cpu"
-
-
-def _compare(group: dist.ProcessGroup, count: int, where: str) -> None:
-    cpu = _cpu()
-    if not cpu and not (count == 1 or debug_enabled()):
-        return
-    device = "cpu" if cpu else _process.device()
-    both = torch.tensor([count, -count], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    high, low = both.tolist()
-    if high == -low == count:
-        return
-    raise StepMismatch(
-        f"{where}: the ranks are at different calls of this step (from call {-low} to call "
-        f"{high}; rank {dist.get_rank()}: call {count}). A rank that raised inside an "
-        "earlier call and went on skipped what the others did, and their collectives would "
-        "now pair with the wrong ones. To skip a bad batch, decide on every rank together, "
-        "before the step (docs/faults.md)."
-    )

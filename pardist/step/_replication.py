@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pardist.transport import agree
+
 __all__ = ["fingerprint", "layout_mismatch", "mismatch", "replicated_groups", "seeds_differ"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -78,6 +80,7 @@ def mismatch(named: list[tuple[str, Any]], group: dist.ProcessGroup) -> str | No
     ranks = dist.get_process_group_ranks(group)
     mine = [(path, _describe(leaf)) for path, leaf in named]
     gathered: list[Any] = [None] * len(ranks)
+    agree("pardist's check that replicas are equal", group)
     dist.all_gather_object(gathered, mine, group=group)
     for r, theirs in zip(ranks[1:], gathered[1:]):
         structure = _structure(gathered[0], theirs, ranks[0], r)
@@ -130,6 +133,7 @@ def layout_mismatch(
     group = mesh.group(mesh.axis_names)
     ranks = dist.get_process_group_ranks(group)
     everyone: list[Any] = [None] * len(ranks)
+    agree("pardist's check of the inputs' specs", group)
     dist.all_gather_object(everyone, mine, group=group)
     first = everyone[0]
     for r, theirs in zip(ranks[1:], everyone[1:]):

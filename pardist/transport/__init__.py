@@ -5,6 +5,7 @@ and the bucketed gradient reducers (all-reduce and reduce-scatter, DDP's buckets
 May import ``pardist.runtime`` only. The names below are its interface.
 """
 
+from pardist.transport._agree import agree, header, name_step
 from pardist.transport._buckets import assign
 from pardist.transport._primitives import (
     AllGather,
@@ -44,10 +45,13 @@ __all__ = [
     "Reducer",
     "ScatterReducer",
     "SharedMemoryGroup",
+    "agree",
     "all_gather_into",
     "assign",
     "flat_layout",
+    "header",
     "mark_step",
+    "name_step",
     "reduce_scatter_into",
     "shard_range",
     "signature",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import _faults
+from pardist.transport._agree import agree
 
 __all__ = ["Bucket", "Slot", "assign", "check_layout"]
 
@@ -47,6 +48,7 @@ def check_layout(like: list[torch.Tensor], groups: list, where: str) -> None:
     for group in groups:
         ranks = dist.get_process_group_ranks(group)
         digests: list = [None] * len(ranks)
+        agree(f"{where} (comparing gradient layouts)", group)
         with _faults.collective_errors(f"{where} (comparing gradient layouts)", group):
             dist.all_gather_object(digests, digest, group=group)
             if len(set(digests)) == 1:

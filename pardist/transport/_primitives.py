@@ -20,13 +20,12 @@ rules, so they work under ``torch.func.grad`` and ``vmap``; torch's own
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, collective_starts, debug_enabled
+from pardist.runtime import _faults, collective_starts
 from pardist.transport import _shmgroups
+from pardist.transport._agree import agree
 
 __all__ = [
     "AllGather",
@@ -63,42 +62,12 @@ def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
             shm.all_reduce(y, op)
         else:
             name = f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}"
-            agree(name, y, group)
+            agree(name, group, y)
             with _faults.collective_errors(name, group):
                 dist.all_reduce(
                     y, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group
                 )
     return y
-
-
-def agree(name: str, x: torch.Tensor, group) -> None:
-    """Every rank of ``group`` must give ``name`` the same shape and dtype.
-
-    Shared memory compares them in its barrier; gloo would abort the process
-    ("Received data size doesn't match") and NCCL could hang. One all-reduce of two
-    integers before a CPU collective (gloo), and before every collective under
-    ``PARDIST_DEBUG=1``; where they differ, every rank raises naming each one's.
-    """
-    if x.device.type != "cpu" and not debug_enabled():
-        return
-    what = f"{name} of {str(x.dtype).removeprefix('torch.')} {tuple(x.shape)}"
-    mine = zlib.crc32(what.encode())
-    both = torch.tensor([mine, -mine], dtype=torch.int64, device=x.device)
-    with _faults.collective_errors(name, group):
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    if int(both[0]) == -int(both[1]):
-        return
-    doing: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(doing, what, group=group)
-    ranks = dist.get_process_group_ranks(group)
-    listing = "; ".join(f"rank {r}: {d}" for r, d in zip(ranks, doing))
-    raise _faults.CollectiveMismatch(
-        f"pardist: the ranks of {_faults.describe_group(group.group_name, ranks)} are not "
-        f"in the same collective, or gave it different shapes or dtypes ({listing}); "
-        "every rank stops here. Every rank must call the same "
-        "collectives, in the same order, with the same shapes and dtypes (for per-rank "
-        "lengths, gather with pardist.gather)."
-    )
 
 
 def gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
@@ -110,7 +79,7 @@ def gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
             torch.empty_like(x, memory_format=torch.contiguous_format)
             for _ in range(dist.get_world_size(group))
         ]
-        agree("pardist.all_gather", x, group)
+        agree("pardist.all_gather", group, x)
         with _faults.collective_errors("pardist.all_gather", group):
             dist.all_gather(parts, x.contiguous(), group=group)
     return parts
@@ -166,6 +135,7 @@ def _psum_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return total.narrow(dim, dist.get_rank(group) * block, block).clone()
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    agree("pardist.psum_scatter", group, moved)
     with _faults.collective_errors("pardist.psum_scatter", group):
         _reduce_scatter(out, moved, group=group)
     return out.movedim(0, dim)
@@ -189,7 +159,7 @@ def _all_to_all(x: torch.Tensor, group, split_dim: int, concat_dim: int) -> torc
         received = [theirs[me] for theirs in everyone]
     else:
         out = torch.empty_like(blocks)
-        agree("pardist.all_to_all", blocks, group)
+        agree("pardist.all_to_all", group, blocks)
         with _faults.collective_errors("pardist.all_to_all", group):
             dist.all_to_all_single(out, blocks, group=group)
         received = list(out.unbind(0))

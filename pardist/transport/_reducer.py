@@ -40,6 +40,7 @@ from pardist.runtime import (
     storage_holders,
     views_of,
 )
+from pardist.transport._agree import agree
 from pardist.transport._buckets import Bucket, Slot, assign, check_layout
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
 
@@ -177,7 +178,18 @@ class Reducer:
         self._written = [False] * len(self.slots)
         self._next = 0
         self._scale = (self.divisor if divisor is None else divisor) * micro_batches
+        self._headers()
         self._last = micro_batches == 1
+
+    def _headers(self) -> None:
+        """The reduction's header over each group that gloo serves (transport._agree)."""
+        if not self._groups:
+            return
+        what = f"pardist.grad's gradient reduction ({len(self.buckets)} buckets)"
+        groups = self.groups
+        backend = getattr(self, "staging", None) is None and not all(b.shared for b in self.buckets)
+        for group in groups if backend else groups[1:]:
+            agree(what, group)
 
     def _may_reuse_arena(self) -> bool:
         """Whether every rank may write the shared buckets again; raises if one was changed."""

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import GroupRef
+from pardist.transport._agree import agree
 from pardist.transport._buckets import Bucket, assign, check_layout
 from pardist.transport._reducer import Reducer, _references
 from pardist.transport._shm import ALIGN, SharedMemoryGroup
@@ -202,6 +203,7 @@ class ParamGather:
             for b in self.buckets:
                 sources.append(self.arena.diagonal(b.arena_offset, b.row, b.dtype))
         else:
+            agree("pardist.optim.sharded (gathering parameters)", self._group.get())
             for b in self.buckets:
                 block = _block(b, self.size)
                 all_gather_into(block.view(-1), block[self.index].clone(), group=self._group.get())

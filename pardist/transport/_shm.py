@@ -87,9 +87,21 @@ class SharedMemoryGroup:
         self.timeout = _faults.timeout_seconds()
         self.show_mark(_stepmark.shown_by(self))
 
-    def show_mark(self, value: int) -> None:
-        """Show the other ranks my step mark (``_stepmark``), which their waits read."""
+    def show_mark(self, value: int, note: str = "") -> None:
+        """Show the other ranks my step mark (``_stepmark``), which their waits read, and
+        with it a note (why this rank found the ranks out of step), posted first."""
+        if note:
+            self._write_note(note)
         self._flags[self.index * (_FLAG_BYTES // 8) + _STEP] = value
+
+    def _write_note(self, text: str) -> None:
+        data = text.encode()[: _NOTE_BYTES - 1]
+        note = self._notes[self.index]
+        note.zero_()
+        note[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def _note(self, k: int) -> str:
+        return bytes(self._notes[k].numpy()).rstrip(b"\0").decode(errors="replace")
 
     @staticmethod
     def nbytes(size: int, region_bytes: int, common_bytes: int) -> int:
@@ -200,6 +212,8 @@ class SharedMemoryGroup:
             if k == self.index or did is None or flags[k * stride] >= seq:
                 continue
             me, doing = self.ranks[self.index], _stepmark.describe(self._doing)
+            if did == _stepmark.FOUND:  # its reason, with the real calls
+                _stepmark.out_of_step(f"pardist: rank {self.ranks[k]} {did}: {self._note(k)}")
             _stepmark.out_of_step(
                 f"pardist: rank {self.ranks[k]} {did} while rank {me} waits in {doing}"
                 + (f" of call {_stepmark.call_of(mine)}" if mine else "")
@@ -211,16 +225,10 @@ class SharedMemoryGroup:
         """Every rank saw the same differing signatures: post what I was doing, read theirs."""
         mark = _stepmark.now()
         call = f" in call {_stepmark.call_of(mark)} of a step" if mark > 0 else ""
-        text = (_stepmark.describe(what) + call).encode()[: _NOTE_BYTES - 1]
-        note = self._notes[self.index]
-        note.zero_()
-        note[: len(text)].copy_(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+        self._write_note(_stepmark.describe(what) + call)
         with _stepmark.unmarked():  # (the ranks' marks may differ: this must pair anyway)
             self.barrier(("pardist: comparing what each rank was doing",))
-        doing = [
-            bytes(self._notes[k].numpy()).rstrip(b"\0").decode(errors="replace")
-            for k in range(self.size)
-        ]
+        doing = [self._note(k) for k in range(self.size)]
         listing = "; ".join(f"rank {r}: {d}" for r, d in zip(self.ranks, doing))
         where = _faults.describe_group(self.group_name, self.ranks)
         if len({re.sub(r" in call \d+ of a step$", "", d) for d in doing}) == 1:

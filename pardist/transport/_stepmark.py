@@ -23,6 +23,7 @@ __all__ = ["mark_step"]
 
 COUNT = (1 << 40) - 1
 LOST = -1  # the mark shown by a rank that found the ranks out of step
+FOUND = "found the ranks out of step"
 _MARK = {"now": 0}
 _segments: list = []  # every segment of this process (weak references)
 _lost: dict[str, str] = {}  # "why": the ranks are out of step, for good (this process group)
@@ -37,11 +38,18 @@ def mark_step(mark: int, shown: int | None = None) -> int:
     whose waits read it: a rank waiting in a call that another has left, or gone past,
     waits for nothing (on leaving, a call shows its mark without bit 0).
     """
-    if _lost:
+    if _lost and mark & 1:  # entering a call, once out of step: refused
         raise _faults.StepMismatch(_lost["why"])
     before, _MARK["now"] = _MARK["now"], mark
-    _show(mark if shown is None else shown)
+    if not _lost:  # (leaving, once out of step: the others keep seeing LOST)
+        _show(mark if shown is None else shown)
     return before
+
+
+def check_lost() -> None:
+    """Raise if the ranks were found out of step together (see :func:`out_of_step`)."""
+    if "together" in _lost:
+        raise _faults.StepMismatch(_lost["why"])
 
 
 def now() -> int:
@@ -56,11 +64,11 @@ def shown_by(segment) -> int:
     return _MARK["now"]
 
 
-def _show(value: int) -> None:
+def _show(value: int, note: str = "") -> None:
     for ref in _segments:
         segment = ref()
         if segment is not None:
-            segment.show_mark(value)
+            segment.show_mark(value, note)
 
 
 @contextlib.contextmanager
@@ -73,13 +81,21 @@ def unmarked():
         _MARK["now"] = mark
 
 
-def out_of_step(message: str) -> None:
-    """Remember, show the other ranks (their waits end too) and raise: for good."""
+def out_of_step(message: str, *, together: bool = False) -> None:
+    """Remember, show the other ranks (their waits end too) and raise: for good.
+
+    ``together``: every rank of the group found it at once (a gloo header), so every
+    later collective of pardist's, not only the steps', may raise without a word to
+    the others (where one rank found it alone, the others still pair with it outside
+    steps, and learn it at their next step).
+    """
+    if together:
+        _lost["together"] = "yes"
     _lost["why"] = (
         message + " The ranks' collectives no longer pair up: every later call fails. "
         "Restart the run (from its last checkpoint)."
     )
-    _show(LOST)
+    _show(LOST, message.removeprefix("pardist: "))
     raise _faults.StepMismatch(message)
 
 
@@ -88,7 +104,7 @@ def departure(mine: int, theirs: int) -> str | None:
     call, at = mine >> 1 & COUNT, theirs >> 1 & COUNT
     same = mine and theirs >> 41 == mine >> 41
     if theirs == LOST:  # (whatever this rank waits in: it will not come)
-        return "found the ranks out of step"
+        return FOUND
     if same and at > call:
         return f"began call {at} of the step"
     if same and at == call and not theirs & 1:
