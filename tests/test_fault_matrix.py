@@ -143,6 +143,18 @@ def test_a_timeout_names_the_collective_the_axis_the_late_rank_and_the_setting(r
         assert "(The backend said: " in message and "Timed out" in message, message
 
 
+@pytest.mark.timeout(200)
+def test_a_short_timeout_bounds_collectives_not_the_start_of_the_group():
+    # A rank that arrives 3x PARDIST_TIMEOUT late (importing on a loaded machine) still
+    # joins: the start is bounded by --join-timeout; the collectives by PARDIST_TIMEOUT.
+    out, _ = launch(
+        "--nproc", 3, SCRIPTS / "late_rank.py", 6, env={"PARDIST_TIMEOUT": "2"}, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in range(3):
+        assert f"rank {rank}: started, psum 3" in out.stdout, out.stdout
+
+
 @pytest.mark.timeout(120)
 def test_the_launcher_names_the_stopped_rank_not_the_one_that_timed_out():
     out, seconds = launch(

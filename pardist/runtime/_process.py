@@ -203,6 +203,7 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
             store = _attempt_store(kwargs["timeout"]) or _env_store(kwargs["timeout"])
             if store is not None:
                 rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                _all_here(store, world, kwargs["timeout"])
                 dist.init_process_group(store=store, rank=rank_, world_size=world, **kwargs)
             else:
                 dist.init_process_group(**kwargs)
@@ -219,6 +220,30 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
 
 def _debug() -> bool:
     return os.environ.get("PARDIST_DEBUG", "") not in ("", "0")
+
+
+_starts = {"count": 0}  # groups started by this process (alike on every rank)
+
+
+def _join_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("PARDIST_JOIN_TIMEOUT", "600")))
+
+
+def _all_here(store, world: int, timeout: datetime.timedelta) -> None:
+    """Wait, up to the join timeout, until every rank has reached the store.
+
+    The process group's start (gloo connects every pair of ranks) is bounded by the
+    collective timeout: with a short ``PARDIST_TIMEOUT`` on a loaded machine, a rank
+    still importing torch failed the others' start (``DistStoreError: wait timeout
+    after 3000ms``). Once every rank is here the start takes moments; how long ranks
+    may take to arrive is the join timeout's to bound (``--join-timeout``, passed as
+    ``PARDIST_JOIN_TIMEOUT``; else 600 s).
+    """
+    _starts["count"] += 1
+    key = f"pardist/here/{_starts['count']}"
+    if store.add(key, 1) == world:  # the last to arrive tells the others
+        store.set(f"{key}/all", "1")
+    store.wait([f"{key}/all"], max(timeout, _join_timeout()))
 
 
 def _attempt_store(timeout: datetime.timedelta):
@@ -253,14 +278,13 @@ def _env_store(timeout: datetime.timedelta):
     """
     if not {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys():
         return None
-    join = float(os.environ.get("PARDIST_JOIN_TIMEOUT", "600"))
     host, port, world = (
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
         int(os.environ["WORLD_SIZE"]),
     )
     kwargs = dict(
-        timeout=max(timeout, datetime.timedelta(seconds=join)),
+        timeout=max(timeout, _join_timeout()),
         wait_for_workers=True,
         multi_tenant=True,  # as env:// (another group in this process may share the port)
     )
