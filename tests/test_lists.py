@@ -197,7 +197,7 @@ def test_uneven_counts_with_the_ranks_in_the_loss_raise_on_every_rank(run, sync_
     """Batch norm pairs the ranks in every micro-batch: cross-replica statistics by a
     collective, per-rank ones by averaging the buffers (whose counts would then differ).
     With different counts every rank raises at the first micro-batch, naming both."""
-    for message in run(2, _carried_buffers, sync_bn, True, timeout=60):
+    for message in run(2, _carried_buffers, sync_bn, True):
         assert (
             "the ranks run different numbers of micro-batches in this update (from 2 to 3"
             in message
@@ -222,7 +222,7 @@ def _one_rank_has_none():
 
 
 def test_a_rank_without_micro_batches_stops_every_rank(run):
-    here, there = run(2, _one_rank_has_none, timeout=60)
+    here, there = run(2, _one_rank_has_none)
     assert "empty list of micro-batches on this rank" in here
     assert "empty list of micro-batches on another rank" in there
 

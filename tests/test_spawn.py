@@ -15,7 +15,7 @@ import torch
 import pardist
 from pardist.launch._spawn import SpawnError, Workers
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(300)
 
 SCRIPTS = Path(__file__).parent / "scripts"
 ENV = {**os.environ, "PARDIST_TIMEOUT": "10"}
@@ -27,7 +27,7 @@ def test_spawn_from_a_script():
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=280,
     )
     assert out.returncode == 0, out.stderr
     assert "result [2, 30.0, 7]" in out.stdout

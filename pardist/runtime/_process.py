@@ -203,8 +203,13 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
             store = _attempt_store(kwargs["timeout"]) or _env_store(kwargs["timeout"])
             if store is not None:
                 rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-                _all_here(store, world, kwargs["timeout"])
+                start = _next_start()
+                _all_here(store, world, kwargs["timeout"], f"pardist/here/{start}")
                 dist.init_process_group(store=store, rank=rank_, world_size=world, **kwargs)
+                # gloo's start is no barrier: a rank that returned from it and left at
+                # once closed a pair its peer was still connecting ("connectFullMesh
+                # failed ... Connection closed by peer", seen on a loaded machine).
+                _all_here(store, world, kwargs["timeout"], f"pardist/connected/{start}")
             else:
                 dist.init_process_group(**kwargs)
         else:
@@ -229,8 +234,13 @@ def _join_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("PARDIST_JOIN_TIMEOUT", "600")))
 
 
-def _all_here(store, world: int, timeout: datetime.timedelta) -> None:
-    """Wait, up to the join timeout, until every rank has reached the store.
+def _next_start() -> int:
+    _starts["count"] += 1
+    return _starts["count"]
+
+
+def _all_here(store, world: int, timeout: datetime.timedelta, key: str) -> None:
+    """Wait, up to the join timeout, until every rank has reached ``key`` in the store.
 
     The process group's start (gloo connects every pair of ranks) is bounded by the
     collective timeout: with a short ``PARDIST_TIMEOUT`` on a loaded machine, a rank
@@ -239,8 +249,6 @@ def _all_here(store, world: int, timeout: datetime.timedelta) -> None:
     may take to arrive is the join timeout's to bound (``--join-timeout``, passed as
     ``PARDIST_JOIN_TIMEOUT``; else 600 s).
     """
-    _starts["count"] += 1
-    key = f"pardist/here/{_starts['count']}"
     if store.add(key, 1) == world:  # the last to arrive tells the others
         store.set(f"{key}/all", "1")
     store.wait([f"{key}/all"], max(timeout, _join_timeout()))

@@ -1,6 +1,6 @@
 """Rank 1 is stopped (SIGSTOP) in the middle of training, as a debugger or a frozen host would.
 
-    PARDIST_TIMEOUT=3 python -m pardist.launch --nproc 2 stop_rank.py SECONDS
+    PARDIST_TIMEOUT=30 python -m pardist.launch --nproc 2 stop_rank.py SECONDS
 
 Rank 1 stops itself at step 2 and is continued SECONDS later by a child it left
 behind. Rank 0 times out waiting for it; the launcher must name rank 1, the rank
