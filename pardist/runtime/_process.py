@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import itertools
 import os
 import sys
 from collections.abc import Callable
@@ -203,7 +204,7 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
             store = _attempt_store(kwargs["timeout"]) or _env_store(kwargs["timeout"])
             if store is not None:
                 rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-                start = _next_start()
+                start = next(_starts)
                 _all_here(store, world, kwargs["timeout"], f"pardist/here/{start}")
                 dist.init_process_group(store=store, rank=rank_, world_size=world, **kwargs)
                 # gloo's start is no barrier: a rank that returned from it and left at
@@ -227,16 +228,11 @@ def _debug() -> bool:
     return os.environ.get("PARDIST_DEBUG", "") not in ("", "0")
 
 
-_starts = {"count": 0}  # groups started by this process (alike on every rank)
+_starts = itertools.count(1)  # groups started by this process (alike on every rank)
 
 
 def _join_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("PARDIST_JOIN_TIMEOUT", "600")))
-
-
-def _next_start() -> int:
-    _starts["count"] += 1
-    return _starts["count"]
 
 
 def _all_here(store, world: int, timeout: datetime.timedelta, key: str) -> None:
