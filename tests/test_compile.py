@@ -603,38 +603,6 @@ def test_steps_beyond_the_compiled_path_run_eagerly_with_one_warning(run):
         assert_close64((w_c, v_c), (w_e, v_e), "mean='rows' compiled")
 
 
-def _fsdp_compiled_and_eager():
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.ReLU(), torch.nn.Linear(5, 1))
-    out = []
-    for compile in (False, True):
-        apply, params, buffers = pardist.functional(net)
-        opt = optim.sgd(0.1, momentum=0.9)
-
-        @pardist.data_parallel(axis="gpu", compile=compile)
-        def step(p, s, batch, apply=apply, buffers=buffers, opt=opt):
-            g = pardist.grad(lambda p, x: apply(p, buffers, x)[0].square().mean())(p, batch)
-            return opt.update(g, s, p)
-
-        p = pardist.fsdp(params)
-        s = opt.init(p)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for i in range(3):
-                g = torch.Generator().manual_seed(10 * i + pardist.rank())
-                p, s = step(p, s, torch.randn(4, 3, generator=g))
-        said = [str(w.message) for w in caught if "compile=True" in str(w.message)]
-        out.append(({k: v.full_tensor() for k, v in p.items()}, said))
-    return out
-
-
-def test_fsdp_parameters_run_eagerly_with_one_warning(run):
-    for (eager, _), (compiled, said) in run(2, _fsdp_compiled_and_eager, timeout=LIMIT):
-        assert len(said) == 1, said  # FSDP's per-module gathers are eager code
-        for k in eager:
-            assert torch.equal(compiled[k], eager[k]), k
-
-
 def _cast(t, dtype):
     return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 

@@ -12,6 +12,7 @@ rounding (numerics.py).
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -101,6 +102,7 @@ def train(
     fsdp_axis="gpu",
     start=None,
     first=0,
+    compile=False,  # noqa: A002
 ):
     """Train Net; return (full params, buffers, losses, gradient kinds, specs, raw state)."""
     apply, params, buffers = pardist.functional(Net().double(), fsdp_units=units)
@@ -116,7 +118,9 @@ def train(
         logits, b = apply(p, b, ids)
         return F.cross_entropy(logits, y), b
 
-    @pardist.data_parallel(axis=axis, mesh=mesh, donate_argnums=(0, 2) if donate else ())
+    @pardist.data_parallel(
+        axis=axis, mesh=mesh, donate_argnums=(0, 2) if donate else (), compile=compile
+    )
     def step(p, b, s, data):
         grad_fn = pardist.value_and_grad(
             loss_fn, has_aux=True, accumulate=accumulate, batch_argnums=(2, 3), carry=1
@@ -135,7 +139,7 @@ def train(
         losses.append(float(loss))
     specs = pardist.specs(params)
 
-    @pardist.data_parallel(axis=axis, mesh=mesh, in_specs=(P(), P(), P()))
+    @pardist.data_parallel(axis=axis, mesh=mesh, in_specs=(P(), P(), P()), compile=compile)
     def evaluate(p, b, ids):  # the same whole batch on every rank, without gradients
         with torch.no_grad():
             return apply(p, b, ids, train=False)[0]
@@ -344,6 +348,54 @@ def test_accumulation_equals_data_parallel(run):
     # One reduce-scatter per micro-batch (as FSDP2): the gradients stay 1/N in memory.
     for dp, ours in run(2, _accumulate):
         _close(ours, dp)
+
+
+def one_process_micro(k: int, world: int = 2):
+    """Plain torch, one process, SGD: each step's batch as ``k`` micro-batches, the j-th
+    holding every rank's j-th part of its shard (as ``accumulate=k`` splits them), each
+    loss over its rows divided by ``k``; batch norm's statistics per micro-batch."""
+    net = Net().double()
+    opt = torch.optim.SGD(net.parameters(), 0.1, 0.9)
+    for s in range(STEPS):
+        shards = [batch(s, r, world) for r in range(world)]
+        opt.zero_grad()
+        for j in range(k):
+            ids = torch.cat([i.chunk(k)[j] for i, _ in shards])
+            y = torch.cat([t.chunk(k)[j] for _, t in shards])
+            (F.cross_entropy(net(ids), y) / k).backward()
+        opt.step()
+    evaluated = net.eval()(batch(0)[0]).detach()
+    return {k: v.detach() for k, v in net.named_parameters()}, dict(net.named_buffers()), evaluated
+
+
+def _compiled(accumulate: int, hsdp: bool):
+    kw = {"mesh": pardist.Mesh({"node": 2, "gpu": 2}), "axis": ("node", "gpu")} if hsdp else {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = train("sgd", True, compile=True, accumulate=accumulate, donate=True, **kw)
+    said = [str(w.message) for w in caught if "compile=True" in str(w.message)]
+    return out[0], out[1], out[6], said
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "nprocs, shm, accumulate",
+    [(2, "1", 2), (2, "0", 1), (4, "1", 1)],
+    ids=["shared-memory-micro-batches", "gloo", "hybrid-4-ranks"],
+)
+def test_compiled_step_gathers_and_reduce_scatters_in_its_graph(run, nprocs, shm, accumulate):
+    """compile=True with pardist.fsdp parameters: one graph (no fallback's warning) whose
+    per-unit all-gathers and reduce-scatters give one process's numbers. The chunks are of
+    uneven lengths (7, 11, 13 x 7 over 2 ranks), batch norm syncs in the same graph, and
+    the 4-rank run shards over 'gpu' and replicates over 'node' (HSDP)."""
+    hsdp = nprocs == 4
+    reference, ref_buffers, evaluated = one_process_micro(accumulate, nprocs)
+    results = run(nprocs, _compiled, accumulate, hsdp, env={"PARDIST_SHM": shm}, timeout=560)
+    for params, buffers, logits, said in results:
+        assert said == []
+        _close(params, reference)
+        assert_close64(buffers, ref_buffers, "buffers")
+        assert_close64(logits, evaluated, "evaluation")
 
 
 def _with_sharded_optimizer():

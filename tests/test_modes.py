@@ -4,9 +4,9 @@ Shaped like optax's ``_OPTIMIZERS_UNDER_TEST``: the columns are the ways a step 
 (eager, ``compile=True``, ``deterministic=4``), the rows the features a training loop
 uses (micro-batches, ZeRO, clipping, FSDP, activation checkpointing as the model does it
 and as ``pardist.remat`` does it, a token-weighted and a row-weighted loss, fp16's loss
-scale with an overflow, a list of micro-batches), each the change a user makes to the
-same loop. Every cell must give, at 2 ranks, what plain torch gives in one process on
-the concatenated batch (float64 on both sides, compared to float64 rounding:
+scale with an overflow, alone and over FSDP shards, a list of micro-batches), each the
+change a user makes to the same loop. Every cell must give, at 2 ranks, what plain torch
+gives in one process on the concatenated batch (float64 on both sides, compared to float64 rounding:
 numerics.py), with every rank holding the same bits, or be refused by an error that
 says why (``EXPECTED``). A compiled cell also says how much of it compiled: the whole
 step as one graph, made once, or (one warning) its loss in an eager step. A new mode
@@ -64,6 +64,7 @@ FEATURES = {
     "tokens": Feature(grad={"mean": "tokens"}),
     "rows": Feature(grad={"mean": "rows"}, uneven=True),
     "loss_scale": Feature(scale=True),
+    "fsdp_loss_scale": Feature(scale=True, params=pardist.fsdp),  # (the verdict of chunks)
     "list": Feature(grad={"accumulate": "list"}, listed=True),
 }
 MODES = {"eager": {}, "compiled": {"compile": True}, "deterministic": {"deterministic": 4}}
@@ -74,7 +75,6 @@ MODES = {"eager": {}, "compiled": {"compile": True}, "deterministic": {"determin
 # step eager after one warning naming why; otherwise the refusal's words.
 _REFUSED = "the deterministic mode already runs the batch as 4 row groups"
 EXPECTED = {
-    ("compiled", "fsdp"): "eager",
     ("compiled", "checkpoint"): "loss",
     ("compiled", "remat"): "loss",
     ("compiled", "remat_dots"): "loss",

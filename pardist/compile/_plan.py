@@ -48,6 +48,9 @@ class Plan:
     first_bucket_bytes: int
     axes: dict  # axis name, or tuple of names -> AxisInfo
     submesh: Any  # torch DeviceMesh over the step's axis (for DTensor gradient shards)
+    fsdp: Any = None  # the key in ``axes`` of the axes pardist.fsdp shards are split over
+    replicas: tuple[str, ...] = ()  # the step's other axes, over which they are replicated
+    chunks: dict = dataclasses.field(default_factory=dict)  # their numel -> padded chunk
 
 
 def _shared(group: dist.ProcessGroup) -> bool:
@@ -67,16 +70,26 @@ def _axis_info(mesh: _mesh.Mesh, names: tuple[str, ...]) -> AxisInfo:
     )
 
 
-def make_plan(step: Any, mesh: _mesh.Mesh, axes: tuple, sharded, donated, scatter) -> Plan:
+def make_plan(
+    step: Any,
+    mesh: _mesh.Mesh,
+    axes: tuple,
+    sharded,
+    donated,
+    scatter,
+    fsdp: tuple | None = None,
+    chunks: dict | None = None,
+) -> Plan:
     """The plan of one step signature; collective on first use (shared memory is set up).
 
     ``sharded`` lists every leaf that varies over the axis: those whose spec shards
-    them, and DTensors (a sharded optimizer's state).
+    them, and DTensors (a sharded optimizer's state, pardist.fsdp's shards, which are
+    split over the axes ``fsdp``).
     """
     infos: dict = {}
     for name in mesh.axis_names:
         infos[name] = _axis_info(mesh, (name,))
-    for names in {axes, mesh.axis_names}:
+    for names in {axes, mesh.axis_names} | ({fsdp} if fsdp else set()):
         if len(names) > 1:
             infos[names] = _axis_info(mesh, names)
     key = axes[0] if len(axes) == 1 else axes
@@ -93,4 +106,7 @@ def make_plan(step: Any, mesh: _mesh.Mesh, axes: tuple, sharded, donated, scatte
         first_bucket_bytes=2**20,
         axes=infos,
         submesh=mesh.submesh(axes),
+        fsdp=None if not fsdp else fsdp[0] if len(fsdp) == 1 else fsdp,
+        replicas=tuple(a for a in axes if a not in fsdp) if fsdp else (),
+        chunks=chunks or {},
     )

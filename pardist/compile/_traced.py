@@ -33,11 +33,12 @@ import torch
 
 from pardist.compile import _beside, _ops  # noqa: F401  (they register torch.ops.pardist)
 from pardist.runtime import _tree, funcol
-from pardist.transport import AllGather, AllGatherInvariant, Pmax, Psum, assign
+from pardist.transport import AllGather, AllGatherInvariant, Pmax, Psum, Pvary, assign
 
 __all__ = [
     "all_gather",
     "axis_index",
+    "fsdp_gather",
     "axis_size",
     "mean",
     "mean_scatter",
@@ -253,6 +254,60 @@ def mean_scatter(tensors: list[torch.Tensor], plan: Any) -> list[torch.Tensor]:
             start = min(index * chunk, n)
             out[i] = piece[: min(start + chunk, n) - start]
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardLink(_Link):
+    """The FSDP axis as a gather's graph reaches it. The transpose of the gather is a
+    reduce-scatter of the gradients divided by the data-parallel ranks first (as the eager
+    FSDP packs them), then summed over the replica axes (HSDP): each rank's shard of the
+    mean gradient."""
+
+    divisor: float
+    replicas: tuple  # ((group name, through shared memory), ...)
+
+    def psum_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        flat = (x / self.divisor).contiguous()  # (dim is 0: a flat (size x row) block)
+        if self.shm:
+            row = torch.ops.pardist.shm_reduce_scatter(flat, self.name, self.size, self.index)
+        else:
+            row = funcol.wait_tensor(
+                torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", self.size, self.name)
+            )
+        return _all_reduce(row, self.replicas, "sum") if self.replicas else row
+
+
+def fsdp_gather(shards: list[torch.Tensor], numels: list[int], plan: Any) -> list[torch.Tensor]:
+    """The flat full parameters of one FSDP unit from this rank's chunks of them
+    (``pardist.fsdp``'s, torch.chunk's rule, zero-padded to at least ``ceil(n / size)``
+    elements on every rank): the first ``ceil(n / size)`` of each, side by side in one
+    row, all-gathered as one node into the ``(size, row)`` block. Its transpose
+    (``_ShardLink``) reduce-scatters the block's gradient into each rank's shard of the
+    mean gradient."""
+    info = plan.axes[plan.fsdp]
+    size = info.size
+    if size == 1 and not plan.replicas:
+        return [s[:n] for s, n in zip(shards, numels)]
+    chunks = [-(-n // size) for n in numels]
+    row = torch.cat([s[:c] for s, c in zip(shards, chunks)])  # (padded past c on every rank)
+    replicas = tuple((g, shm) for r in plan.replicas for g, shm in zip(*_groups(plan, r)))
+    link = _ShardLink(
+        info.group or "", info.gather_shm, size, info.index, float(plan.size), replicas
+    )
+    if size == 1:  # (HSDP over an FSDP axis of size 1: the replicas' mean only)
+        return list(Pvary.apply(row, (float(plan.size), replicas), _divided_sum).split(chunks))
+    block = AllGather.apply(row, link, 0).view(size, -1)
+    return [part.reshape(-1)[:n] for part, n in zip(block.split(chunks, dim=1), numels)]
+
+
+def _divided_sum(x: torch.Tensor, groups: tuple, op: str) -> torch.Tensor:
+    divisor, links = groups
+    return _all_reduce(x / divisor, links, op)
+
+
+def _groups(plan: Any, axis: str) -> tuple:
+    info = plan.axes[axis]
+    return info.groups, info.shm
 
 
 def gather_rows(rows: list[torch.Tensor], numels: list[int], plan: Any) -> list[torch.Tensor]:

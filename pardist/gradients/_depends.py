@@ -24,7 +24,7 @@ _CHECKED: set = set()  # code objects whose loss reached its leaves once (lambda
 def watched(f, nums: tuple, has_aux: bool, where: str):
     """``f``, checked by :func:`check` until one call has been checked."""
     code = getattr(f, "__code__", None)
-    if code is not None and code in _CHECKED:
+    if (code is not None and code in _CHECKED) or tracing():  # (a graph is not searched)
         return f
 
     def f_checked(*args, **kwargs):

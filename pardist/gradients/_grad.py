@@ -142,7 +142,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     split = [f for n in nums for f in (masks[n] or [False] * len(flat[n][0]))]
     # DTensor leaves (pardist.fsdp shards) vary over the axis: their gather's backward
     # reduce-scatters their gradients, so they take no part in the all-reduce.
-    if ctx is not None and not isinstance(ctx.varying, list) and _vma.current() is None:
+    if ctx is not None and not isinstance(ctx.varying, dict) and _vma.current() is None:
         varying = ctx.varying  # eager, untracked: ids, and nothing varies by tracking
         replicated = [i not in varying for i in map(id, leaves)]
         if any(issubclass(t, DTensor) for t in set(map(type, leaves))):

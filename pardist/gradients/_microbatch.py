@@ -75,7 +75,7 @@ def batch_masks(
         ]
     masks: Masks = []
     for leaves, _ in flat:
-        if isinstance(ctx.varying, list):  # a traced step: by identity
+        if isinstance(ctx.varying, dict):  # a traced step: by identity
             flags = [holds(ctx.varying, x) and _is_batchable(x) for x in leaves]
         else:  # in C for the common case: no leaf of the argument is the batch
             flags = list(map(ctx.varying.__contains__, map(id, leaves)))

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from pardist.compile import _traced
 from pardist.gradients import _bucketed
-from pardist.runtime import StepContext, _tree
+from pardist.runtime import StepContext, _tree, dtensor_like
+from pardist.sharding import Local
 from pardist.transport import signature
 
 __all__ = ["compute"]
@@ -48,12 +49,17 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
             "update, which one graph cannot hold without recompiling; the step runs eagerly"
         )
     plan, k, replicated = mode.plan, call.accumulate, call.replicated
-    reduce = ctx.size > 1 and any(replicated)
+    # pardist.fsdp shards: differentiated through this rank's chunk (see sharding._traced)
+    fsdp = [i for i, t in enumerate(leaves) if isinstance(t, DTensor)]
+    places = _shard_places(call, fsdp, plan)
+    reduce = ctx.size > 1 and (any(replicated) or bool(fsdp))
 
     counting = call.counts is not None  # mean='tokens': f's aux ends with its token count
     has_aux = call.has_aux or counting
 
     def checked(*args):
+        if places:
+            args = _swap(args, places, lambda t, numel: Local(t, numel))
         out = call.f(*args, **call.kwargs)
         _bucketed.split_value(out, has_aux, call.where)  # pardist's error for a non-scalar
         return out
@@ -71,7 +77,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     summed: list[Any] = [None] * len(leaves)  # replicated: divided first
     parts: list = [[None] * k for _ in leaves]
     for j, margs, _ in call.micro_batches():
-        g, out = transform(*margs)
+        g, out = transform(*(_swap(margs, places, _chunk) if places else margs))
         value, aux = out if has_aux else (out, None)
         if counting:
             aux, count = aux if call.has_aux else (None, aux)
@@ -87,7 +93,10 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
                 parts[i][j] = gi
             else:
                 local[i] = gi if local[i] is None else local[i] + gi
-    grads = call.combine(local, parts, leaves)
+    chunks = [_chunk(t, 0) if i in fsdp else t for i, t in enumerate(leaves)]
+    grads = call.combine(local, parts, chunks)
+    for i in fsdp:  # each rank's shard of the mean gradient, as the parameter is held
+        grads[i] = dtensor_like(grads[i], leaves[i])
     for i, s in enumerate(summed):
         if s is not None:
             grads[i] = s
@@ -103,7 +112,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
         )
         need = False  # the value is the row-weighted mean, not the ranks' table
     # The loss table rides in the first bucket unless it would be compressed there.
-    alone = need and (scatter or plan.compression is not None)
+    alone = need and (scatter or plan.compression is not None or not rep)
     value = mine
     if alone:
         table = _loss_table(mine, ctx, torch.float64)
@@ -120,6 +129,8 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
                 run_check=False,
             )
         return value, aux, grads
+    if not rep:  # (every differentiated input a pardist.fsdp shard)
+        return value, aux, grads
     carried = [_loss_table(mine, ctx, grads[rep[0]].dtype)] if need and not alone else []
     divisors = [1.0] * len(carried) + [float(scale) if late else 1.0] * len(rep)
     means = _traced.mean(carried + [grads[i] for i in rep], plan, divisors)
@@ -128,6 +139,38 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     if carried:
         value = _global(means[0], mine)
     return (rows_value if rows_value is not None else value), aux, grads
+
+
+def _shard_places(call: Any, fsdp: list[int], plan) -> dict:
+    """{argument: {leaf position: numel}} of the differentiated pardist.fsdp shards (each
+    padded to a length that names its numel: ``sharding._traced.padded``)."""
+    if not fsdp:
+        return {}
+    size = plan.axes[plan.fsdp].size
+    numel = {size * c: n for n, c in plan.chunks.items()}
+    places: dict = {}
+    leaf = 0
+    for n in call.nums:
+        for j, t in enumerate(call.flat[n][0]):
+            if leaf in fsdp:
+                places.setdefault(n, {})[j] = numel[t.shape[0]]
+            leaf += 1
+    return places
+
+
+def _chunk(t: DTensor, numel: int) -> torch.Tensor:
+    return t.to_local()
+
+
+def _swap(args: tuple, places: dict, fn) -> tuple:
+    """``args`` with ``fn(leaf, numel)`` at each place of a shard."""
+    out = list(args)
+    for n, where in places.items():
+        leaves, spec = _tree.tree_flatten(out[n])
+        for j, numel in where.items():
+            leaves[j] = fn(leaves[j], numel)
+        out[n] = _tree.tree_unflatten(leaves, spec)
+    return tuple(out)
 
 
 def _weigh_rows(grads: list, rep: list, mine: torch.Tensor, rows, ctx, plan) -> torch.Tensor:

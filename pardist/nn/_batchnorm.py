@@ -136,7 +136,12 @@ class _BatchNorm(torch.autograd.Function):
     def backward(ctx, g, *_):
         x, weight, count, mean, var = ctx.saved_tensors
         db, dw = grad_sums(g, x, weight, mean, var, ctx.eps)
-        sums = _collectives.psum(torch.cat([db, dw]).double(), ctx.axis).div_(count)
+        # Written into a tensor of their own, not concatenated: inductor (torch 2.13) computes
+        # a concatenation's inputs straight into it and then all-reduces it in place over
+        # torch's functional collectives, so dw and db, read below, became the sums.
+        packed = x.new_empty(2 * db.numel(), dtype=torch.float64)
+        packed[: db.numel()], packed[db.numel() :] = db, dw
+        sums = _collectives.psum(packed, ctx.axis).div_(count)
         dx = input_grad(g, x, weight, sums, mean, var, ctx.eps)
         grad_w, grad_b = (None if d is None else t.to(d) for t, d in zip((dw, db), ctx.dtypes))
         return dx, grad_w, grad_b, None, None, None
@@ -194,12 +199,20 @@ class _CrossReplica(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _PLAIN_FUNCS and not tracing():  # the common case
+        traced = tracing()  # (asked once: dynamo runs this for every torch call it traces)
+        if not traced and func in _PLAIN_FUNCS:  # the common case
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         parse = _PARSERS.get(func)
-        if parse is not None or _other_batch_norm(func):
-            self.norms += 1
+        other = parse is None and _other_batch_norm(func)
+        if parse is None and not other:  # not batch norm at all
+            if not traced:
+                try:
+                    _PLAIN_FUNCS.add(func)
+                except TypeError:  # an unhashable callable: asked every time
+                    pass
+            return func(*args, **kwargs)
+        self.norms += 1
         if parse is not None:
             x, rm, rv, w, b, training, momentum, eps = parse(*args, **kwargs)
             if training:
@@ -210,18 +223,13 @@ class _CrossReplica(TorchFunctionMode):
 
                     return _groupnorm.batch_norm(x, rm, rv, w, b, momentum, eps, where)
                 return cross_replica_batch_norm(x, rm, rv, w, b, momentum, eps, self.axis, where)
-        elif _other_batch_norm(func) and self._trains(func, args, kwargs):
+        elif other and self._trains(func, args, kwargs):
             raise RuntimeError(
                 f"{self.where}: {self.module_path()} calls {func.__name__} directly, with batch "
                 "statistics; pardist can make F.batch_norm / torch.batch_norm cross-replica, "
                 "not that. Call F.batch_norm instead, or use "
                 "pardist.functional(model, sync_bn=False) for per-rank statistics."
             )
-        elif not tracing() and not _other_batch_norm(func):
-            try:
-                _PLAIN_FUNCS.add(func)
-            except TypeError:  # an unhashable callable: asked every time
-                pass
         return func(*args, **kwargs)
 
     @staticmethod

@@ -23,8 +23,8 @@ from pardist.runtime import (
     Signature,
     _tree,
     donating,
+    dtensor_like,
     dtensor_local,
-    dtensor_spec,
     fused_kernel_devices,
     is_dense,
     is_donated,
@@ -314,6 +314,6 @@ def _rewrap(tree: Any, old: list, old_local: list) -> Any:
     out = []
     for new, was, was_local in zip(leaves, old, old_local):
         if isinstance(was, DTensor):
-            new = was if new is was_local else DTensor(new, dtensor_spec(was), requires_grad=False)
+            new = was if new is was_local else dtensor_like(new, was)
         out.append(new)
     return _tree.tree_unflatten(out, treedef)

@@ -43,6 +43,7 @@ __all__ = [
     "TorchCompileInductorWrapper",
     "assert_async",
     "checkpoint_op",
+    "dtensor_like",
     "dtensor_local",
     "dtensor_spec",
     "dynamo",
@@ -194,9 +195,24 @@ def dtensor_local(d) -> torch.Tensor:
     """DTensor._local_tensor: this rank's shard, outside autograd.
 
     DTensor.to_local() is public but differentiable (and waits on async shards);
-    pardist needs the plain tensor it wraps. Attribute name as used since 2.0.
+    pardist needs the plain tensor it wraps. Attribute name as used since 2.0. In a
+    graph dynamo traces, ``to_local()`` (the attribute is not traceable).
     """
-    return d._local_tensor
+    return d.to_local() if tracing() else d._local_tensor
+
+
+def dtensor_like(local: torch.Tensor, like):
+    """``local`` as a DTensor with ``like``'s mesh, placements and global shape, without a
+    collective: torch's own ``DTensor(local, spec)``, or in a graph dynamo traces
+    ``DTensor.from_local`` (a DTensorSpec is not traceable)."""
+    from torch.distributed.tensor import DTensor
+
+    if tracing():
+        return DTensor.from_local(
+            local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+            run_check=False,
+        )  # fmt: skip
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def dtensor_spec(d):

@@ -72,8 +72,8 @@ class StepContext:
     axis: tuple[str, ...]
     size: int  # product of the axis sizes
     # Input leaves by id (eager), or the leaves themselves in a traced step: see holds().
-    varying: set[int] | list[torch.Tensor]  # sharded over the step's axis
-    donated: set[int] | list[torch.Tensor]  # donated by the caller
+    varying: set[int] | dict[torch.Tensor, None]  # sharded over the step's axis
+    donated: set[int] | dict[torch.Tensor, None]  # donated by the caller
     reducers: dict[Any, Any]  # persistent across calls: reducers by key, agreed row totals
     # How this step runs (runtime._modes): eager, deterministic or compiled. Operations
     # take its rules; ``mode.plan`` is a compiled step's static facts, ``mode.groups``
@@ -85,7 +85,7 @@ class StepContext:
     overlap: bool = False
     bucket_bytes: int = 25 * 2**20
     first_bucket_bytes: int = 2**20
-    inputs: Any = dataclasses.field(default_factory=set)  # every leaf: Ids, or traced: a list
+    inputs: Any = dataclasses.field(default_factory=set)  # every leaf: Ids, or traced: a dict
     call: CallState = dataclasses.field(default_factory=CallState)
 
 
@@ -146,17 +146,18 @@ def is_donated(tensors: list[torch.Tensor]) -> bool:
     if ctx is None or not tensors:
         return False
     donated = ctx.donated
-    if isinstance(donated, list):  # a traced step: by identity
-        return all(holds(donated, t) for t in tensors)
+    if isinstance(donated, dict):  # a traced step: by identity
+        return all(t in donated for t in tensors)
     return all(map(donated.__contains__, map(id, tensors)))
 
 
-def holds(group: set[int] | list[torch.Tensor], t: torch.Tensor) -> bool:
-    """Whether ``t`` is one of ``group``: ids in eager steps (a set lookup), the
-    tensors themselves in a traced step (dynamo cannot trace ``id()`` of a tensor the
-    graph made, torch 2.11; ``is`` it can)."""
-    if isinstance(group, list):
-        return any(x is t for x in group)
+def holds(group: set[int] | dict[torch.Tensor, None], t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of ``group``: ids in eager steps (a set lookup), the tensors
+    themselves as a dict's keys in a traced step (dynamo cannot trace ``id()`` of a tensor
+    the graph made, torch 2.11; it hashes a tensor by identity). A lookup, not a loop over
+    the group: dynamo runs every loop's bytecode while it traces."""
+    if isinstance(group, dict):
+        return t in group
     return id(t) in group
 
 
@@ -168,17 +169,18 @@ def donating(tensors: list[torch.Tensor]) -> Iterator[None]:
         yield
         return
     added = [t for t in tensors if not holds(ctx.donated, t)]
-    traced = isinstance(ctx.donated, list)
+    traced = isinstance(ctx.donated, dict)
     ids = set() if traced else {id(t) for t in added}
     if traced:
-        ctx.donated.extend(added)
+        ctx.donated.update((t, None) for t in added)
     else:
         ctx.donated.update(ids)
     try:
         yield
     finally:
         if traced:
-            del ctx.donated[len(ctx.donated) - len(added) :]
+            for t in added:
+                del ctx.donated[t]
         else:
             ctx.donated.difference_update(ids)
 

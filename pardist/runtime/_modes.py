@@ -11,6 +11,8 @@ where the operation lives::
                                   axis_size, blockwise (all_to_all, psum_scatter)
     gradients/_grad.py            grad: the gradient's path and its mean over the step
     nn/_functional.py             batch_stats: batch-norm statistics left to average
+    sharding/_traced.py           fsdp_layout, fsdp_pad, fsdp_trim: pardist.fsdp's shards
+                                  as a compiled step takes and returns them
 
 Code that runs an operation calls ``current_mode().run(op, ...)``, which calls the
 rule with the mode first, and never asks which mode it is in. A mode inherits its

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _vma
 from pardist.runtime import _tree, current_step, functorch, pytree, tracing
-from pardist.sharding import _fsdp
+from pardist.sharding import _fsdp, _traced
 from pardist.sharding._gather import Gather, Gathered, Packed, unpack
 from pardist.sharding._plan import Plan, Unit
 
@@ -44,8 +44,10 @@ def _unwrapped(x):
 def has_shards(params: dict) -> bool:
     if _tree.any_instance(params.values(), DTensor):
         return True
-    if tracing() or functorch.peek_interpreter_stack() is None:
-        return False  # (a compiled step holds no pardist.fsdp shards: it runs those eagerly)
+    if tracing():  # a compiled step's pardist.grad gives its shards as Locals
+        return _tree.any_instance(params.values(), _traced.Local)
+    if functorch.peek_interpreter_stack() is None:
+        return False
     return any(isinstance(_unwrapped(v), DTensor) for v in params.values())
 
 
@@ -240,6 +242,7 @@ class Runner:
         self.plans: dict = {}
         self.run: _Run | _Regather | None = None
         self._hooked: set[int] = set()
+        self.key = _traced.register(self)  # how a compiled step's graph names this runner
 
     def hook(self, module: nn.Module) -> None:
         if id(module) not in self._hooked:
@@ -274,6 +277,8 @@ class Runner:
             self.run = outer
 
     def call(self, params: dict, buffers: dict, inputs: tuple, kwargs: dict, enter):
+        if tracing() and _traced.usable():  # in a compiled step's graph
+            return _traced.call(self, params, buffers, inputs, kwargs, enter)
         ctx = current_step()
         shards = {k: v for k, v in params.items() if isinstance(_unwrapped(v), DTensor)}
         if ctx is None:
