@@ -51,6 +51,7 @@ class Plan:
     fsdp: Any = None  # the key in ``axes`` of the axes pardist.fsdp shards are split over
     replicas: tuple[str, ...] = ()  # the step's other axes, over which they are replicated
     chunks: dict = dataclasses.field(default_factory=dict)  # their numel -> padded chunk
+    numels: dict = dataclasses.field(default_factory=dict)  # a padded shard's length -> numel
 
 
 def _shared(group: dist.ProcessGroup) -> bool:
@@ -109,4 +110,5 @@ def make_plan(
         fsdp=None if not fsdp else fsdp[0] if len(fsdp) == 1 else fsdp,
         replicas=tuple(a for a in axes if a not in fsdp) if fsdp else (),
         chunks=chunks or {},
+        numels={mesh.size(fsdp) * c: n for n, c in (chunks or {}).items()},
     )

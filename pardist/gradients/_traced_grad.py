@@ -59,7 +59,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
 
     def checked(*args):
         if places:
-            args = _swap(args, places, lambda t, numel: Local(t, numel))
+            args = _swap(args, places, Local)
         out = call.f(*args, **call.kwargs)
         _bucketed.split_value(out, has_aux, call.where)  # pardist's error for a non-scalar
         return out
@@ -77,7 +77,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     summed: list[Any] = [None] * len(leaves)  # replicated: divided first
     parts: list = [[None] * k for _ in leaves]
     for j, margs, _ in call.micro_batches():
-        g, out = transform(*(_swap(margs, places, _chunk) if places else margs))
+        g, out = transform(*(_swap(margs, places, _chunk) if places else margs))  # (chunks)
         value, aux = out if has_aux else (out, None)
         if counting:
             aux, count = aux if call.has_aux else (None, aux)
@@ -93,7 +93,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
                 parts[i][j] = gi
             else:
                 local[i] = gi if local[i] is None else local[i] + gi
-    chunks = [_chunk(t, 0) if i in fsdp else t for i, t in enumerate(leaves)]
+    chunks = [t.to_local() if i in fsdp else t for i, t in enumerate(leaves)]
     grads = call.combine(local, parts, chunks)
     for i in fsdp:  # each rank's shard of the mean gradient, as the parameter is held
         grads[i] = dtensor_like(grads[i], leaves[i])
@@ -146,19 +146,18 @@ def _shard_places(call: Any, fsdp: list[int], plan) -> dict:
     padded to a length that names its numel: ``sharding._traced.padded``)."""
     if not fsdp:
         return {}
-    size = plan.axes[plan.fsdp].size
-    numel = {size * c: n for n, c in plan.chunks.items()}
     places: dict = {}
     leaf = 0
     for n in call.nums:
         for j, t in enumerate(call.flat[n][0]):
             if leaf in fsdp:
-                places.setdefault(n, {})[j] = numel[t.shape[0]]
+                places.setdefault(n, {})[j] = plan.numels[t.shape[0]]
             leaf += 1
     return places
 
 
 def _chunk(t: DTensor, numel: int) -> torch.Tensor:
+    """This rank's (padded) chunk of the shard ``t``, as ``_swap`` gives it."""
     return t.to_local()
 
 

@@ -65,8 +65,8 @@ def register(runner: Any) -> int:
 
 
 def usable() -> bool:
-    """Whether ``apply`` gathers ``params``' shards in the graph: a compiled step that knows
-    the axes its FSDP shards are split over."""
+    """Whether ``apply`` gathers shards in the graph: in a compiled step that knows the axes
+    its FSDP shards are split over."""
     ctx = current_step()
     plan = ctx.mode.plan if ctx is not None else None
     return plan is not None and plan.fsdp is not None
@@ -88,15 +88,13 @@ def _unit_names(key: int, names: tuple[str, ...]) -> tuple:
 def call(runner: Any, params: dict, buffers: dict, inputs: tuple, kwargs: dict, enter) -> Any:
     """The module run on ``params`` with every unit's shards gathered in the graph."""
     plan = current_step().mode.plan
-    size = plan.axes[plan.fsdp].size
-    numel_of = {size * c: n for n, c in plan.chunks.items()}  # a padded shard's numel
     shards = {k: v for k, v in params.items() if isinstance(v, (Local, DTensor))}
     given = dict(params)
     for names, shapes in _unit_names(runner.key, tuple(shards)):
         chunks = []
         for name, shape in zip(names, shapes):
             v, numel = shards[name], torch.Size(shape).numel()
-            held = v.numel() if isinstance(v, Local) else numel_of.get(v.shape[0])
+            held = v.numel() if isinstance(v, Local) else plan.numels.get(v.shape[0])
             if held != numel:  # (the eager step names the parameter and the fix)
                 raise ValueError(
                     f"{runner.where}: params[{name!r}] holds {held} elements, but "
@@ -197,8 +195,7 @@ def trimmed(out: Any, args: tuple, stands: dict, plan: Any) -> Any:
     """What the step returned with each flat shard's padding cut off; a padded input it
     returns (donated: updated in place) comes back as the caller's shard, updated."""
     leaves, spec = _flat_shards(out)
-    size = plan.axes[plan.fsdp].size
-    numel = {size * c: n for n, c in plan.chunks.items()}
+    numel = plan.numels
     like = {(x.shape[0], x.dtype): x for x in _flat_shards(args)[0] if _is_shard(x)}
     for i, x in enumerate(leaves):
         if not _is_shard(x) or x.shape[0] not in numel:
