@@ -11,18 +11,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 from torch.optim.adamw import adamw as torch_adamw
 
-from pardist.optim._base import (
-    Checked,
-    Optimizer,
-    _device,
-    _is_cpu,
-    fused_ok,
-    next_count,
-    on_shards,
-    owned,
-    schedule,
-    schedule_value,
-)
+from pardist.optim import _base
 from pardist.runtime import _tree, fused_adam_, fused_adamw_, tracing
 
 __all__ = ["AdamWState", "adam", "adamw"]
@@ -52,7 +41,7 @@ def adamw(
     fused: bool | None = None,
     foreach: bool | None = None,
     decoupled: bool = True,
-) -> Optimizer:
+) -> _base.Optimizer:
     """AdamW, step for step equal to ``torch.optim.AdamW`` (same defaults).
 
     Runs torch's fused AdamW kernel where the device has one (CPU and CUDA), with
@@ -80,7 +69,7 @@ def adamw(
             f"and weight_decay={weight_decay} must be >= 0."
         )
     name = "pardist.optim.adamw" if decoupled else "pardist.optim.adam"
-    schedule(lr)  # a compiled step evaluates it at run time
+    _base.schedule(lr)  # a compiled step evaluates it at run time
 
     def init_fn(params):
         _tree.check_tensor_leaves(params, where=f"{name}.init", name="params")
@@ -89,25 +78,19 @@ def adamw(
             torch.zeros((), dtype=torch.int64), zeros(), zeros(), zeros() if amsgrad else None
         )
 
-    checked = Checked()  # the checks' answers, kept for one signature of the tensors
+    hyper = dict(beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps)
+    hyper.update(amsgrad=amsgrad, maximize=maximize)  # torch's kernels' keywords
+    checked = _base.Checked()  # the checks' answers, kept for one signature of the tensors
 
     def update_fn(grads, state, params):
         trees = (state.exp_avg, state.exp_avg_sq) + ((state.max_exp_avg_sq,) if amsgrad else ())
         flat = [_tree.tree_flatten(t) for t in trees]
         leaves = [f[0] for f in flat] + ([] if amsgrad else [None])
         g, p, treedef, answers = checked.aligned(grads, params, leaves, f"{name}.update")
-        in_place, p, (m, v, vmax) = owned(p, *leaves)
+        in_place, p, (m, v, vmax) = _base.owned(p, *leaves)
         traced = tracing()  # then the count is no Python int
-        options = dict(
-            lr=schedule_value(lr, state.count),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
-            eps=eps,
-            amsgrad=amsgrad,
-            maximize=maximize,
-        )
-        plan = lambda: _groups(p) if fused_ok(p, fused, g, m, v, vmax) else None  # noqa: E731
+        options = dict(lr=_base.schedule_value(lr, state.count), **hyper)
+        plan = lambda: _groups(p) if _base.fused_ok(p, fused, g, m, v, vmax) else None  # noqa: E731
         groups = checked.decided(answers, in_place, plan) if foreach is None else None
         if groups is not None:
             _fused(p, g, m, v, vmax or [], int(state.count) + 1, decoupled, options, groups)
@@ -122,7 +105,7 @@ def adamw(
             steps = [torch.tensor(float(int(state.count))) for _ in p]  # torch adds the 1
             kernel = torch_adamw if decoupled else torch_adam
             kernel(p, g, m, v, vmax or [], steps, foreach=foreach, **options)
-        count = next_count(state.count, in_place)
+        count = _base.next_count(state.count, in_place)
         if in_place and all(spec is treedef or spec == treedef for _, spec in flat):
             # Written in place: the given trees hold the new values (no rebuilt containers)
             more = state.max_exp_avg_sq if amsgrad else None
@@ -130,7 +113,7 @@ def adamw(
         unflat = lambda ts: _tree.tree_unflatten(ts, treedef)  # noqa: E731
         return unflat(p), AdamWState(count, unflat(m), unflat(v), unflat(vmax) if amsgrad else None)
 
-    return Optimizer(init_fn, on_shards(update_fn, f"{name}.update"), lr)
+    return _base.Optimizer(init_fn, _base.on_shards(update_fn, f"{name}.update"), lr)
 
 
 def _step_dtype(t: torch.Tensor) -> torch.dtype:
@@ -139,7 +122,8 @@ def _step_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _groups(p: list) -> list[tuple[torch.device, list[int] | None]]:
     """The fused kernel's calls: a device and the indices it updates (None: all of them)."""
-    one_device = all(map(_is_cpu, p)) or len(set(map(_device, p))) == 1  # (CPU: no objects)
+    cpu = all(map(_base._is_cpu, p))  # (CPU: no objects)
+    one_device = cpu or len(set(map(_base._device, p))) == 1
     if p and one_device and len(set(map(_dtype, p))) == 1:  # the common case: one call
         return [(p[0].device, None)]
     groups: dict[tuple, list[int]] = defaultdict(list)
@@ -164,6 +148,6 @@ def adam(
     weight_decay: float = 0.0,
     amsgrad: bool = False,
     **kwargs,
-) -> Optimizer:
+) -> _base.Optimizer:
     """Adam with L2 weight decay, equal to ``torch.optim.Adam``; see :func:`adamw`."""
     return adamw(lr, betas, eps, weight_decay, amsgrad, decoupled=False, **kwargs)

@@ -9,16 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim.sgd import sgd as torch_sgd
 
-from pardist.optim._base import (
-    Checked,
-    Optimizer,
-    fused_ok,
-    next_count,
-    on_shards,
-    owned,
-    schedule,
-    schedule_value,
-)
+from pardist.optim import _base
 from pardist.runtime import _tree, tracing
 
 __all__ = ["SGDState", "sgd"]
@@ -70,7 +61,7 @@ def sgd(
     maximize: bool = False,
     fused: bool | None = None,
     foreach: bool | None = None,
-) -> Optimizer:
+) -> _base.Optimizer:
     """Stochastic gradient descent, step for step equal to ``torch.optim.SGD``.
 
     It runs torch's own SGD kernels (fused where the device has them), so the
@@ -98,14 +89,16 @@ def sgd(
             f"weight_decay={weight_decay} must be >= 0."
         )
 
-    schedule(lr)  # a compiled step evaluates it at run time
+    _base.schedule(lr)  # a compiled step evaluates it at run time
 
     def init_fn(params):
         _tree.check_tensor_leaves(params, where="pardist.optim.sgd.init", name="params")
         buffers = _tree.tree_map(torch.zeros_like, params) if momentum else None
         return SGDState(torch.zeros((), dtype=torch.int64), buffers)
 
-    checked = Checked()  # the checks' answers, kept for one signature of the tensors
+    hyper = dict(weight_decay=weight_decay, momentum=momentum, dampening=dampening)
+    hyper.update(nesterov=nesterov, maximize=maximize)  # torch's kernels' keywords
+    checked = _base.Checked()  # the checks' answers, kept for one signature of the tensors
 
     def update_fn(grads, state, params):
         old, old_def = _tree.tree_flatten(state.momentum_buffer) if momentum else (None, None)
@@ -114,29 +107,18 @@ def sgd(
         # Compiled, the count is no Python int; with dampening 0 the general momentum
         # formula on the zero-initialised buffer is exactly torch's first step.
         first = not traced and int(state.count) == 0
-        in_place, p, (buffers,) = owned(p, None if first else old)
+        in_place, p, (buffers,) = _base.owned(p, None if first else old)
         if buffers is None:  # torch starts the momentum from the first gradient
             buffers = [None] * len(p)
         each = True if traced and foreach is None else foreach
         if each and nesterov and not weight_decay:
             g = [t.clone() for t in g]  # torch's foreach Nesterov adds into the gradients
-        plan = lambda: fused_ok(p, fused, g, buffers) and _fused_updates_all(p)  # noqa: E731
+        plan = lambda: _base.fused_ok(p, fused, g, buffers) and _fused_updates_all(p)  # noqa: E731
         use_fused = foreach is None and checked.decided(answers, (in_place, first), plan)
 
         def run(p, buffers):
-            torch_sgd(
-                p,
-                g,
-                buffers,
-                weight_decay=weight_decay,
-                momentum=momentum,
-                lr=schedule_value(lr, state.count),
-                dampening=dampening,
-                nesterov=nesterov,
-                maximize=maximize,
-                fused=use_fused,
-                foreach=each,
-            )
+            now = _base.schedule_value(lr, state.count)
+            torch_sgd(p, g, buffers, lr=now, fused=use_fused, foreach=each, **hyper)
 
         if traced and momentum and dampening:
             # torch's first step differs (no dampening): a graph takes both, then picks.
@@ -148,7 +130,7 @@ def sgd(
                 new.copy_(torch.where(start, old_, new))
         else:
             run(p, buffers)
-        count = next_count(state.count, in_place)
+        count = _base.next_count(state.count, in_place)
         if in_place and (
             not momentum or (not first and (old_def is treedef or old_def == treedef))
         ):
@@ -157,4 +139,4 @@ def sgd(
         new_buffers = _tree.tree_unflatten(buffers, treedef) if momentum else None
         return _tree.tree_unflatten(p, treedef), SGDState(count, new_buffers)
 
-    return Optimizer(init_fn, on_shards(update_fn, "pardist.optim.sgd.update"), lr)
+    return _base.Optimizer(init_fn, _base.on_shards(update_fn, "pardist.optim.sgd.update"), lr)

@@ -38,16 +38,18 @@ import torch.utils.checkpoint  # noqa: E402
 from torch._C import DisableTorchFunctionSubclass  # noqa: E402
 
 __all__ = [
-    "MINIMUM_TORCH",
     "DisableTorchFunctionSubclass",
+    "MINIMUM_TORCH",
     "TorchCompileInductorWrapper",
     "assert_async",
     "checkpoint_op",
+    "clone_all",
     "dtensor_like",
     "dtensor_local",
     "dtensor_spec",
     "dynamo",
     "enable_saved_tensors_hooks",
+    "flatten_dense",
     "foreach_mul",
     "foreach_norm",
     "funcol",
@@ -69,6 +71,7 @@ __all__ = [
     "storage_holders",
     "torchrun_parser",
     "tracing",
+    "views_of",
 ]
 
 # --- imported above -------------------------------------------------------------------

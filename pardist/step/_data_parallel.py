@@ -173,18 +173,8 @@ def data_parallel(
         tensor([0.6000, 0.6000])
         >>> pardist.shutdown()
     """
-    options = dict(
-        axis=axis,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        mesh=mesh,
-        donate_argnums=donate_argnums,
-        compression=compression,
-        overlap=overlap,
-        bucket_mb=bucket_mb,
-        compile=compile,
-        deterministic=deterministic,
-    )
+    options = dict(locals())  # the arguments as given (a decorator passes them on)
+    del options["fn"]
     if fn is None:
         return lambda f: data_parallel(f, **options)
     if isinstance(fn, str):
@@ -232,16 +222,5 @@ def data_parallel(
             f"pardist.data_parallel({getattr(fn, '__name__', 'fn')}): compression="
             f"{compression!r}; use None, 'bf16' or 'fp16'."
         )
-    return _DataParallelStep(
-        fn,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        donate_argnums=donate_argnums,
-        axis=axis,
-        compression=_COMPRESSION[compression],
-        overlap=overlap,
-        bucket_mb=bucket_mb,
-        compile=compile,
-        deterministic=deterministic or 0,
-    )
+    exact = dict(compression=_COMPRESSION[compression], deterministic=deterministic or 0)
+    return _DataParallelStep(fn, **{**options, "compile": compile, **exact})

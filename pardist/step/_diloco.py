@@ -227,8 +227,8 @@ def _replica_mean(params: Any, axis: str, where: str) -> Any:
 def _check_outer(outer: Any, state: Any, anchor: Any, where: str) -> None:
     """The outer state has the layout ``outer.init`` gives these parameters (on meta)."""
     want = outer.init(_tree.tree_map(lambda t: t.detach().to("meta"), anchor))
-    got_leaves, got_def = _tree.tree_flatten(state)
     want_leaves, want_def = _tree.tree_flatten(want)
+    got_def = _tree.tree_flatten(state)[1]
     if got_def != want_def:
         raise ValueError(
             f"{where}: the outer optimizer's state has the tree {got_def}, but "
