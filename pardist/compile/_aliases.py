@@ -23,15 +23,15 @@ def aliased(node: Any, seen: list) -> Any:
     to ``seen`` in pytree's order. Dicts, lists and tuples by a plain walk, any other node
     by pytree: dynamo runs ~100 bytecodes per node of pytree's flatten and unflatten (their
     TreeSpecs), which were an eighth of a GPT step's tracing."""
+    if isinstance(node, torch.Tensor):  # the most nodes (pytree never enters a tensor)
+        seen.append(node.view_as(node))
+        return seen[-1]
     kind = type(node)
     if kind is dict:
         return {k: aliased(v, seen) for k, v in node.items()}
     if kind is list or kind is tuple:
         out = [aliased(v, seen) for v in node]
         return out if kind is list else tuple(out)
-    if isinstance(node, torch.Tensor):  # (pytree never enters a tensor)
-        seen.append(node.view_as(node))
-        return seen[-1]
     if isinstance(node, tuple) and hasattr(kind, "_fields"):  # a NamedTuple (pytree's rule)
         return kind(*(aliased(v, seen) for v in node))
     entry = pytree.SUPPORTED_NODES.get(kind)

@@ -27,7 +27,8 @@ changes between calls).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import operator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -178,12 +179,26 @@ def axis_size(axis: Any, plan: Any) -> int:
     return axis_info(plan, axis, "axis_size").size
 
 
-def _buckets(like: list[torch.Tensor], plan: Any) -> list[list[int]]:
+class _Like(NamedTuple):  # what ``assign`` reads of a tensor
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+
+
+def _buckets(like: list[torch.Tensor], plan: Any) -> tuple[tuple[int, ...], ...]:
     """Indices of ``like`` per bucket: the eager reducer's ``assign``, one row of numel each."""
-    buckets, _ = assign(
-        like, torch.Tensor.numel, 1, None, plan.bucket_bytes, plan.first_bucket_bytes
-    )
-    return [b.slots for b in buckets]
+    kinds = tuple((t.dtype, t.device, t.numel()) for t in like)
+    return _slots(kinds, plan.bucket_bytes, plan.first_bucket_bytes)
+
+
+@torch.compiler.assume_constant_result  # worked out once, as the graph is traced
+def _slots(kinds: tuple, bucket_bytes: int, first_bucket_bytes: int) -> tuple:
+    like = [_Like(*kind) for kind in kinds]
+    buckets, _ = assign(like, _numel, 1, None, bucket_bytes, first_bucket_bytes)
+    return tuple(tuple(b.slots) for b in buckets)
+
+
+_numel = operator.attrgetter("numel")
 
 
 def _comm_dtype(plan: Any, dtype: torch.dtype) -> torch.dtype | None:

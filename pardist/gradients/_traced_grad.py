@@ -50,7 +50,8 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
         )
     plan, k, replicated = mode.plan, call.accumulate, call.replicated
     # pardist.fsdp shards: differentiated through this rank's chunk (see sharding._traced)
-    fsdp = [i for i, t in enumerate(leaves) if isinstance(t, DTensor)]
+    # (indices by range, not enumerate: dynamo runs half the bytecodes; see compute's loop)
+    fsdp = [i for i in range(len(leaves)) if isinstance(leaves[i], DTensor)]
     places = _shard_places(call, fsdp, plan)
     reduce = ctx.size > 1 and (any(replicated) or bool(fsdp))
 
@@ -69,7 +70,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     # Replicated gradients are divided before they are summed, as the eager buckets do:
     # here, or (one micro-batch, all-reduced) by the mean as it writes its buckets.
     scale = (ctx.size if reduce else 1) * k
-    rep = [i for i, r in enumerate(replicated) if r]
+    rep = [i for i in range(len(replicated)) if replicated[i]]
     scatter = reduce and bool(ctx.scatter) and signature([leaves[i] for i in rep]) in ctx.scatter
     late = reduce and k == 1 and not scatter
     values, auxes = [], []
@@ -85,7 +86,8 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
         call.took(j, aux)
         values.append(value)
         auxes.append(aux)
-        for i, gi in enumerate(_tree.tree_flatten(g)[0]):
+        flat = _tree.tree_flatten(g)[0]
+        for i, gi in zip(range(len(flat)), flat):
             if replicated[i] and scale > 1:
                 gi = gi if late else gi / scale
                 summed[i] = gi if summed[i] is None else summed[i] + gi
@@ -93,13 +95,13 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
                 parts[i][j] = gi
             else:
                 local[i] = gi if local[i] is None else local[i] + gi
-    chunks = [t.to_local() if i in fsdp else t for i, t in enumerate(leaves)]
-    grads = call.combine(local, parts, chunks)
+    chunks = [t.to_local() if i in fsdp else t for i, t in zip(range(len(leaves)), leaves)]
+    grads = call.combine(local, parts, chunks, [s is not None for s in summed])
     for i in fsdp:  # each rank's shard of the mean gradient, as the parameter is held
         grads[i] = dtensor_like(grads[i], leaves[i])
-    for i, s in enumerate(summed):
-        if s is not None:
-            grads[i] = s
+    for i in rep:
+        if summed[i] is not None:
+            grads[i] = summed[i]
     aux = call.aux(auxes)
     mine = torch.stack(values).mean() if k > 1 else values[0]
     if not reduce:
@@ -107,9 +109,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     need = call.need_value
     rows_value = None
     if call.mean == "rows":  # each rank weighs by its rows: one small all-reduce of two
-        rows_value = _weigh_rows(
-            grads, [i for i, r in enumerate(replicated) if r], mine, call.rows, ctx, plan
-        )
+        rows_value = _weigh_rows(grads, rep, mine, call.rows, ctx, plan)
         need = False  # the value is the row-weighted mean, not the ranks' table
     # The loss table rides in the first bucket unless it would be compressed there.
     alone = need and (scatter or plan.compression is not None or not rep)

@@ -74,6 +74,8 @@ _OTHERS = {
     if "batch_norm" in n and callable(getattr(torch, n)) and getattr(torch, n) not in _PARSERS
 }
 
+_NORMS = {**_PARSERS, **_OTHERS}  # all that a compiled step looks for
+
 
 def _other_batch_norm(func) -> bool:
     if tracing():
@@ -199,18 +201,20 @@ class _CrossReplica(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        traced = tracing()  # (asked once: dynamo runs this for every torch call it traces)
-        if not traced and func in _PLAIN_FUNCS:  # the common case
+        # The common case first, in few bytecodes: dynamo runs this for every torch call.
+        if tracing():
+            if func not in _NORMS:
+                return func(*args, **kwargs) if kwargs else func(*args)
+        elif func in _PLAIN_FUNCS:
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         parse = _PARSERS.get(func)
         other = parse is None and _other_batch_norm(func)
-        if parse is None and not other:  # not batch norm at all
-            if not traced:
-                try:
-                    _PLAIN_FUNCS.add(func)
-                except TypeError:  # an unhashable callable: asked every time
-                    pass
+        if parse is None and not other:  # not batch norm at all (eager: traced ones are)
+            try:
+                _PLAIN_FUNCS.add(func)
+            except TypeError:  # an unhashable callable: asked every time
+                pass
             return func(*args, **kwargs)
         self.norms += 1
         if parse is not None:

@@ -71,8 +71,10 @@ def _walk(node, leaves: list, keyed: bool = True):
 
 def tree_flatten(tree, is_leaf=None) -> tuple[list, pytree.TreeSpec]:
     """``torch.utils._pytree.tree_flatten``, with the spec found by structure."""
-    if is_leaf is not None or tracing():
+    if is_leaf is not None:
         return pytree.tree_flatten(tree, is_leaf=is_leaf)
+    if tracing():
+        return _traced_flatten(tree) or pytree.tree_flatten(tree)
     leaves: list = []
     try:
         key = _walk(tree, leaves)
@@ -92,8 +94,11 @@ def tree_flatten(tree, is_leaf=None) -> tuple[list, pytree.TreeSpec]:
 def tree_leaves(tree, is_leaf=None) -> list:
     """``torch.utils._pytree.tree_leaves``: by the walk of :func:`tree_flatten` with no
     structure to key (nor its keys touched), where that walk applies."""
-    if is_leaf is not None or tracing():
+    if is_leaf is not None:
         return pytree.tree_leaves(tree, is_leaf=is_leaf)
+    if tracing():
+        leaves = []
+        return leaves if _traced_spec(tree, leaves, keyed=False) else pytree.tree_leaves(tree)
     leaves: list = []
     try:
         _walk(tree, leaves, keyed=False)
@@ -174,7 +179,7 @@ def _nodes(spec):
 def tree_unflatten(leaves, spec):
     """``torch.utils._pytree.tree_unflatten`` through a rebuilder compiled per spec."""
     if tracing():
-        return pytree.tree_unflatten(leaves, spec)
+        return _traced_unflatten(leaves, spec)
     entry = _builder(spec)
     if entry is None:
         return pytree.tree_unflatten(leaves, spec)
@@ -195,3 +200,51 @@ def tree_map(fn, tree, *rests, is_leaf=None):
     if any(s is not spec for _, s in others):  # torch's rules for prefixes and errors
         return pytree.tree_map(fn, tree, *rests)
     return tree_unflatten([fn(*xs) for xs in zip(leaves, *(o for o, _ in others))], spec)
+
+
+# While dynamo traces, torch's pytree costs ~100 bytecodes a leaf (a TreeSpec made and
+# walked for each): a step's parameter dict is flattened and rebuilt several times. A dict,
+# list or tuple of tensors (nested), the common tree, takes a few bytecodes a leaf here, with
+# torch's own spec (equal to the one torch.utils._pytree.tree_flatten makes).
+def _traced_flatten(tree) -> tuple[list, pytree.TreeSpec] | None:
+    leaves: list = []
+    spec = _traced_spec(tree, leaves)
+    return None if spec is None else (leaves, spec)
+
+
+def _traced_spec(node, leaves: list, keyed: bool = True) -> pytree.TreeSpec | bool | None:
+    kind = type(node)
+    if kind is not dict and kind is not list and kind is not tuple:
+        return None
+    values = list(node.values()) if kind is dict else list(node)
+    context = list(node) if kind is dict else None
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            break
+    else:  # a node of tensors only (a parameter dict): the fewest bytecodes
+        leaves.extend(values)
+        if not keyed:  # (tree_leaves: no spec wanted)
+            return True
+        return pytree.TreeSpec(kind, context, [pytree._LEAF_SPEC] * len(values))
+    children = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            leaves.append(v)
+            children.append(pytree._LEAF_SPEC)
+        else:
+            child = _traced_spec(v, leaves, keyed)
+            if child is None:
+                return None
+            children.append(child)
+    return pytree.TreeSpec(kind, context, children) if keyed else True
+
+
+def _traced_unflatten(leaves, spec):
+    kind = spec.type
+    flat = spec.num_nodes == spec.num_leaves + 1  # one node over leaves only
+    if not flat or (kind is not dict and kind is not list and kind is not tuple):
+        return pytree.tree_unflatten(leaves, spec)
+    leaves = list(leaves)
+    if len(leaves) != spec.num_leaves:
+        return pytree.tree_unflatten(leaves, spec)  # torch's error names the mismatch
+    return dict(zip(spec.context, leaves)) if kind is dict else kind(leaves)

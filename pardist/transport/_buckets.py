@@ -101,6 +101,8 @@ def assign(
 ) -> tuple[list[Bucket], list[tuple[int, int]]]:
     """Group tensors into buckets, in reverse order (the last layers' gradients come first).
 
+    ``like`` holds tensors, or anything with their ``dtype`` and ``device``.
+
     Each tensor takes ``width(t)`` elements of its bucket's row; a bucket is
     ``rows`` rows (1 for all-reduce, the group size for reduce-scatter) and closes
     once it holds ``bucket_bytes`` (``first_bucket_bytes`` for the first, so that
@@ -115,8 +117,8 @@ def assign(
         kind = (t.dtype, t.device)
         b = open_by_kind.get(kind)
         cap = first_bucket_bytes if len(buckets) == 0 or b == 0 else bucket_bytes
-        if b is None or buckets[b].numel * t.element_size() >= cap:
-            cd = comm_dtype if comm_dtype is not None and t.is_floating_point() else None
+        if b is None or buckets[b].numel * t.dtype.itemsize >= cap:
+            cd = comm_dtype if comm_dtype is not None and t.dtype.is_floating_point else None
             buckets.append(Bucket(t.dtype, t.device, cd if cd != t.dtype else None))
             b = open_by_kind[kind] = len(buckets) - 1
         bucket = buckets[b]
