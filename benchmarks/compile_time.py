@@ -2,6 +2,7 @@
 
     python benchmarks/compile_time.py                    # 2 ranks, a 4-layer GPT
     python benchmarks/compile_time.py --layers 2 --ranks 1
+    python benchmarks/compile_time.py --repeat 3         # three interleaved rounds
 
 For a GPT-style model (examples/porting/gpt_model.py), each way runs three steps in a
 fresh process group, twice: first with empty compile caches (a cold start), then in new
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -152,29 +154,45 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128)
     parser.add_argument("--bs", type=int, default=8)
     parser.add_argument("--ways", nargs="+", default=["ddp", "pardist"])
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds of all ways, interleaved (a shared "
+        "machine's load shifts: compare within a round, report the median)",
+    )
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
     rows = []
-    for way in args.ways:
-        with tempfile.TemporaryDirectory() as cache:
-            for when in ("cold", "warm"):
-                got = start(way, args, cache)
-                rows.append({"way": way, "start": when, **got})
-                print(way, when, got, flush=True)
+    for round_ in range(args.repeat):
+        for way in args.ways:
+            with tempfile.TemporaryDirectory() as cache:
+                for when in ("cold", "warm"):
+                    got = start(way, args, cache)
+                    rows.append({"round": round_, "way": way, "start": when, **got})
+                    print(round_, way, when, got, flush=True)
     lines = [
         f"{args.ranks} rank(s), GPT {args.layers}x{args.dim}, block {args.block}, batch "
         f"{args.bs} a rank, {pardist.device().type}, torch {torch.__version__}",
         "",
-        "| way | start | first step (s) | second (s) | third (s) | dynamo | AOTAutograd "
-        "| inductor | kernels |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round | way | start | first step (s) | second (s) | third (s) | dynamo "
+        "| AOTAutograd | inductor | kernels |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["phases"]
         lines.append(
-            f"| {r['way']} | {r['start']} | {r['first']} | {r['second']} | {r['third']} | "
-            f"{p['dynamo']} | {p['aot']} | {p['inductor']} | {p['kernels']} |"
+            f"| {r['round']} | {r['way']} | {r['start']} | {r['first']} | {r['second']} | "
+            f"{r['third']} | {p['dynamo']} | {p['aot']} | {p['inductor']} | {p['kernels']} |"
         )
+    if {"ddp", "pardist"} <= set(args.ways):  # pardist's first step over DDP's, per round
+        first = {(r["round"], r["way"], r["start"]): r["first"] for r in rows}
+        for when in ("cold", "warm"):
+            ratios = [first[i, "pardist", when] / first[i, "ddp", when] for i in range(args.repeat)]
+            shown = ", ".join(f"{x:.2f}x" for x in ratios)
+            lines.append(
+                f"\n{when}: pardist / DDP {shown} (median {statistics.median(ratios):.2f}x)"
+            )
     print("\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

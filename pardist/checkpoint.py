@@ -30,7 +30,6 @@ Typical use, the same under ``python`` and ``torchrun``::
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 from pathlib import Path
@@ -57,40 +56,6 @@ from pardist.step import _replication
 __all__ = ["MARKER", "CheckpointError", "latest", "load", "resume", "save", "steps"]
 
 steps = committed_steps  # the steps of the committed checkpoints in a directory
-
-
-@functools.cache
-def _writer_class():
-    # DCP is imported on first use: it adds about a second to `import pardist`.
-    import torch.distributed.checkpoint as dcp
-
-    class Writer(dcp.FileSystemWriter):
-        """DCP's file writer, except that a rank with nothing to write creates nothing.
-
-        Without this every rank creates the directory and an empty data file, which
-        on machines without a shared filesystem leaves stray directories on each node.
-        """
-
-        def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-            self._is_coordinator = is_coordinator
-
-        def prepare_local_plan(self, plan):
-            # The directory is fresh (save removed any stale one), so there is no
-            # old checkpoint to warn about; the coordinator needs it for .metadata.
-            if self._is_coordinator:
-                self.fs.mkdir(self.path)
-            return plan
-
-        def write_data(self, plan, planner):
-            if not plan.items:
-                done: torch.futures.Future = torch.futures.Future()
-                done.set_result([])
-                return done
-            self.fs.mkdir(self.path)
-            return super().write_data(plan, planner)
-
-    return Writer
 
 
 def _distributed() -> bool:
@@ -220,7 +185,7 @@ def save(
     try:
         dcp.save(
             dict(named),
-            storage_writer=_writer_class()(tmp),
+            storage_writer=_safe_dcp.writer_class()(tmp),
             planner=DefaultSavePlanner(flatten_state_dict=False, dedup_save_to_lowest_rank=True),
             no_dist=not _distributed(),
         )

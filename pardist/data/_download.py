@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm.autonotebook import tqdm
 
-from pardist.runtime import _process
+from pardist.runtime import _process, rank0_first
 
 __all__ = ["untar"]
 
@@ -163,4 +163,4 @@ def untar(url: str | os.PathLike, cache_dir: str | os.PathLike, *, timeout: floa
     full = _as_url(url)
     _name(full)  # a bad URL is an error on every rank, before anyone waits
     cache = Path(cache_dir).expanduser()
-    return _process.rank0_first(_fetch, full, cache, timeout)
+    return rank0_first(_fetch, full, cache, timeout)

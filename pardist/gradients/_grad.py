@@ -86,21 +86,6 @@ def _check_options(accumulate: int | str, mean: str, where: str) -> None:
         )
 
 
-def _rows(flat: list, masks: list, weighted: bool, where: str) -> int:
-    """This rank's number of batch rows (-1 where the batch leaves disagree)."""
-    sizes = _microbatch.rows(flat, masks)
-    if len(sizes) == 1:
-        return next(iter(sizes.values()))
-    if weighted:
-        shown = ", ".join(f"{path} has {n}" for path, n in sizes.items())
-        raise ValueError(
-            f"{where}: mean='rows' weighs each rank by its rows, but the batch leaves "
-            f"disagree on how many it has ({shown} along dim 0). Name the arguments that "
-            "hold the batch with batch_argnums=(...), or use mean='ranks'."
-        )
-    return -1
-
-
 def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kwargs, where: str):
     """(value, aux, grads like args[argnums]); inside a step the value is the global loss."""
     nums = _argnums_tuple(argnums, len(args), where)
@@ -171,7 +156,7 @@ def _compute(f: Callable, argnums, has_aux: bool, options: dict, args: tuple, kw
     if lists is not None:
         call.rows = -1 if -1 in lists.rows else sum(lists.rows)
     else:
-        call.rows = _rows(flat, masks, weighted, where) if ctx is not None else -1
+        call.rows = _microbatch.rank_rows(flat, masks, weighted, where) if ctx is not None else -1
     call.listed = lists
     # A traced step and the deterministic mode weigh by the count themselves.
     call.counts = counts if counts is not None and (mode.plan or mode.groups) else None
@@ -223,7 +208,7 @@ def _alone(f, nums, has_aux: bool, options: dict, args, kwargs, where: str, flat
     value, aux, grads = _bucketed.compute_local(call, leaves)
     if ctx is not None and _perrank.checked(value, ctx) and not math.isfinite(value.item()):
         masks = _microbatch.batch_masks(flat, nums, None, ctx, where, strict=False)
-        rows = _rows(flat, masks, False, where)
+        rows = _microbatch.rank_rows(flat, masks, False, where)
         _perrank.report(value.double().reshape(1), [rows], "ranks", ctx, where)
     return value, aux, _regroup(grads, [flat[n] for n in nums])
 

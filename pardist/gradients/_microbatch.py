@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from pardist.runtime import _tree, holds
 
-__all__ = ["UNSET", "batch_masks", "check_carry", "concat", "rows", "split", "stack"]
+__all__ = ["UNSET", "batch_masks", "check_carry", "concat", "rank_rows", "rows", "split", "stack"]
 
 UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()  # carry not given
 
@@ -256,3 +256,18 @@ def concat(parts: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor
     rows = like.shape[0] // k
     pieces = [p if p is not None else like.new_zeros((rows, *like.shape[1:])) for p in parts]
     return torch.cat(pieces) / k
+
+
+def rank_rows(flat: list, masks: list, weighted: bool, where: str) -> int:
+    """This rank's number of batch rows (-1 where the batch leaves disagree)."""
+    sizes = rows(flat, masks)
+    if len(sizes) == 1:
+        return next(iter(sizes.values()))
+    if weighted:
+        shown = ", ".join(f"{path} has {n}" for path, n in sizes.items())
+        raise ValueError(
+            f"{where}: mean='rows' weighs each rank by its rows, but the batch leaves "
+            f"disagree on how many it has ({shown} along dim 0). Name the arguments that "
+            "hold the batch with batch_argnums=(...), or use mean='ranks'."
+        )
+    return -1

@@ -63,11 +63,11 @@ from pardist.runtime._process import (
     is_main,
     local_rank,
     rank,
-    rank0_first,
     shutdown,
     world_size,
 )
 from pardist.runtime._progress import get_logger, print0, progress
+from pardist.runtime._rank0first import rank0_first
 from pardist.runtime._rng import rng_count, set_rng_count
 from pardist.runtime._seed import rank_seed, seed_everything, seed_worker
 from pardist.runtime._signature import Signature

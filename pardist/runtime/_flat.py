@@ -8,7 +8,9 @@ a Hugging Face batch) are flattened here by one
 walk that also produces a hashable structure key; the key finds torch's TreeSpec
 made the first time (so specs stay torch's, interchangeable with torch.func's), and
 each spec gets a rebuilder compiled once from its structure. Any other registered
-node type, and every call while dynamo traces, goes to torch's pytree unchanged.
+node type goes to torch's pytree unchanged. While dynamo traces (a compiled step), no
+cache is read or grown: dicts, lists and tuples of tensors get torch's TreeSpec made in
+one go (``_traced_flatten``), anything else torch's pytree.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ resumes from it. pardist reads both without that power:
 
 The checksums of the commit marker (``_integrity``) catch damage, not an attacker, who
 can write a matching marker; this is what keeps a crafted checkpoint from running code.
+The writer side (:func:`writer_class`) is DCP's, except that a rank with nothing to
+write creates no folder.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_leaf", "planner_class", "reader_class", "read_metadata"]
+__all__ = ["check_leaf", "planner_class", "reader_class", "read_metadata", "writer_class"]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -116,3 +118,37 @@ def check_leaf(path: str, value: Any, where: str) -> None:
             "strings, lists, dicts and tensors (its state_dict(), its fields), or register "
             "the class with torch.serialization.add_safe_globals if you trust it."
         ) from None
+
+
+@functools.cache
+def writer_class():
+    # DCP is imported on first use: it adds about a second to `import pardist`.
+    import torch.distributed.checkpoint as dcp
+
+    class Writer(dcp.FileSystemWriter):
+        """DCP's file writer, except that a rank with nothing to write creates nothing.
+
+        Without this every rank creates the directory and an empty data file, which
+        on machines without a shared filesystem leaves stray directories on each node.
+        """
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+            self._is_coordinator = is_coordinator
+
+        def prepare_local_plan(self, plan):
+            # The directory is fresh (save removed any stale one), so there is no
+            # old checkpoint to warn about; the coordinator needs it for .metadata.
+            if self._is_coordinator:
+                self.fs.mkdir(self.path)
+            return plan
+
+        def write_data(self, plan, planner):
+            if not plan.items:
+                done: torch.futures.Future = torch.futures.Future()
+                done.set_result([])
+                return done
+            self.fs.mkdir(self.path)
+            return super().write_data(plan, planner)
+
+    return Writer
