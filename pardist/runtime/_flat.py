@@ -33,6 +33,7 @@ _LEAVES = {
     if t not in pytree.SUPPORTED_NODES
 }
 _builders: dict[int, tuple] = {}  # id(spec) -> (spec, number of leaves, rebuild(leaves))
+_LEAF = pytree.tree_flatten(0)[1]  # torch's spec of a leaf
 
 
 class _Other(Exception):
@@ -227,12 +228,12 @@ def _traced_spec(node, leaves: list, keyed: bool = True) -> pytree.TreeSpec | bo
         leaves.extend(values)
         if not keyed:  # (tree_leaves: no spec wanted)
             return True
-        return pytree.TreeSpec(kind, context, [pytree._LEAF_SPEC] * len(values))
+        return pytree.TreeSpec(kind, context, [_LEAF] * len(values))
     children = []
     for v in values:
         if isinstance(v, torch.Tensor):
             leaves.append(v)
-            children.append(pytree._LEAF_SPEC)
+            children.append(_LEAF)
         else:
             child = _traced_spec(v, leaves, keyed)
             if child is None:
