@@ -20,9 +20,12 @@ from pardist.collectives import (
     broadcast,
     pmax,
     pmean,
+    pmin,
+    ppermute,
     psum,
     psum_scatter,
     pvary,
+    varying_axes,
 )
 from pardist.data import gather, gather_object
 from pardist.gradients import grad, value_and_grad
@@ -34,9 +37,11 @@ from pardist.nn import (
     functional,
     remat,
     state_dict,
+    unwrapped,
 )
 from pardist.runtime import (
     DuplicateBatchWarning,
+    GradientSumWarning,
     Mesh,
     NonFiniteLossWarning,
     device,
@@ -79,6 +84,7 @@ __all__ = [
     "DiLoCo",
     "DiLoCoState",
     "DuplicateBatchWarning",
+    "GradientSumWarning",
     "Mesh",
     "NonFiniteLossWarning",
     "P",
@@ -112,6 +118,8 @@ __all__ = [
     "optim",
     "pmax",
     "pmean",
+    "pmin",
+    "ppermute",
     "print0",
     "progress",
     "psum",
@@ -130,7 +138,9 @@ __all__ = [
     "spawn",
     "specs",
     "state_dict",
+    "unwrapped",
     "state_specs",
     "value_and_grad",
+    "varying_axes",
     "world_size",
 ]

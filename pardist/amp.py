@@ -44,13 +44,23 @@ from pardist.runtime import (
 
 __all__ = ["DynamicLossScale", "LossScaleState", "autocast", "dynamic_loss_scale"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Accelerate's --mixed_precision words too: "no" is full precision.
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "no": torch.float32,
+}
 
 
 def autocast(
-    dtype: str | torch.dtype = "bf16", *, enabled: bool = True
+    dtype: str | torch.dtype | None = "bf16", *, enabled: bool = True
 ) -> contextlib.AbstractContextManager:
     """``torch.autocast`` on pardist's device: the same line works on CPU and GPU.
+
+    ``dtype``: ``'bf16'``, ``'fp16'``, ``'fp32'`` or ``'no'`` (Accelerate's
+    ``--mixed_precision`` values, so a script's flag goes in as it is; ``'no'``, ``'fp32'``
+    and None: no autocast), or a torch dtype.
 
     Example:
         >>> import pardist, torch
@@ -59,7 +69,15 @@ def autocast(
         >>> y.dtype
         torch.bfloat16
     """
-    dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if dtype is None:
+        dtype = torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"pardist.amp.autocast: dtype={dtype!r}; give one of {sorted(_DTYPES)} "
+                "(Accelerate's --mixed_precision values) or a torch dtype."
+            )
+        dtype = _DTYPES[dtype]
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=_process.device().type, dtype=dtype, enabled=enabled)

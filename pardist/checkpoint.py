@@ -49,6 +49,8 @@ from pardist.runtime import (
     claim_folder,
     commit,
     committed_steps,
+    described,
+    save_error,
     verify,
 )
 from pardist.step import _replication
@@ -103,13 +105,15 @@ def _on_rank0(what: str, fn, *args) -> Any:
     if _rank() == 0:
         try:
             outcome[0] = ("ok", fn(*args))
+        except CheckpointError as exc:  # (it says what failed, in pardist's words)
+            outcome[0] = ("err", str(exc))
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
-            outcome[0] = ("err", f"{type(exc).__name__}: {exc}")
+            outcome[0] = ("err", f"pardist.checkpoint.save: rank 0 failed to {what}: {exc!r}")
     if _distributed() and dist.get_world_size() > 1:
         dist.broadcast_object_list(outcome, src=0)
     status, value = outcome[0]
     if status == "err":
-        raise RuntimeError(f"pardist.checkpoint.save: rank 0 failed to {what}: {value}")
+        raise CheckpointError(value)
     return value
 
 
@@ -173,7 +177,12 @@ def save(
             )
 
     def prepare() -> str:  # this run's temporary folder (a killed save's is removed)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(
+                f"pardist.checkpoint.save: cannot make {final.parent} ({described(e)})."
+            ) from None
         run = claim_folder(final.parent)
         shutil.rmtree(final.with_name(f"{final.name}.tmp-{run}"), ignore_errors=True)
         shutil.rmtree(final.with_name(f"{final.name}.tmp"), ignore_errors=True)  # (older)
@@ -193,18 +202,9 @@ def save(
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save: free what it took
-        kind, first = cause(exc)
         last = latest(final.parent) if step is not None else None
-        kept = f"the last good checkpoint, {last}, is intact" if last else "nothing was lost"
-        if kind == "full":
-            raise CheckpointError(
-                f"pardist.checkpoint.save: the disk is full (or a file-size limit was hit) "
-                f"while writing {tmp} ({first}); {kept}. Free space, or save fewer "
-                "checkpoints (keep=)."
-            ) from exc
-        raise CheckpointError(
-            f"pardist.checkpoint.save: writing {tmp} failed ({first}); {kept}."
-        ) from exc
+        group = dist.group.WORLD if _distributed() else None
+        raise save_error(exc, tmp, last, group) from exc
     return _on_rank0(f"commit {final}", commit, tmp, final, step, len(named), keep)
 
 
@@ -252,6 +252,14 @@ def _check_against(path: Path, named: list[tuple[str, Any]]) -> None:
             "`like` tree with the structure that was saved."
         )
     for key, leaf in named:
+        saved = "a tensor" if hasattr(metadata[key], "chunks") else "a Python value"
+        given = "a tensor" if isinstance(leaf, torch.Tensor) else "a Python value"
+        if saved != given and not _stateful(leaf):
+            raise TypeError(
+                f"pardist.checkpoint.load: {key} is {saved} in the checkpoint {path} but "
+                f"{given} ({type(leaf).__name__}) in `like`. Build `like` with the types that "
+                "were saved (a tensor of the saved shape where a tensor was saved)."
+            )
         size = getattr(metadata[key], "size", None)
         if isinstance(leaf, torch.Tensor) and size is not None and tuple(size) != leaf.shape:
             raise ValueError(
@@ -280,8 +288,11 @@ def load(path: str | os.PathLike, like: Any) -> Any:
 
     Raises:
         FileNotFoundError: ``path`` is not a committed checkpoint.
-        KeyError / ValueError: ``like`` asks for a leaf the checkpoint lacks, or
-            with another shape.
+        KeyError / ValueError / TypeError: ``like`` asks for a leaf the checkpoint
+            lacks, or with another shape, or a tensor where a Python value was saved (or
+            the other way round).
+        CheckpointError: the checkpoint is damaged (a file changed since it was saved,
+            an index that is not DCP's), named by file.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -325,8 +336,8 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     # Tensors are filled in place; Python values land in the planner's own dict.
     loaded = planner.state_dict
     for key, leaf in named:
-        if _stateful(leaf):  # a loader continues from its saved position
-            leaf.load_state_dict(loaded[key])
+        if _stateful(leaf):  # a loader continues from its saved position, a scheduler its rates
+            leaf.load_state_dict(_safe_dcp.restored(state[key], loaded[key]))
             loaded[key] = leaf
     return _tree.tree_unflatten([loaded[key] for key, _ in named], treedef)
 

@@ -139,3 +139,22 @@ def test_every_example_reads_in_one_sitting(path):
     a module beside it, as examples/xresnet.py does for imagenette.py)."""
     lines = len(path.read_text().splitlines())
     assert lines < 200, f"{path.relative_to(ROOT.parent)} has {lines} lines: 199 at most"
+
+
+def test_import_pardist_loads_no_compiler():
+    """``import pardist`` brings neither dynamo nor inductor (a second of every process's
+    start): they come with the first step that compiles."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pardist\n"
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
+        "step = pardist.data_parallel(lambda w, b: w, compile=True)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split("\n")
+    assert out[0] == "[]", out
+    assert out[1] == "True"  # a compiled step asked for it

@@ -174,7 +174,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     assert parent.recv() == "committing"
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
-    killed = tmp_path / f"2.tmp-{proc.pid}"  # the run's own temporary folder
+    (killed,) = tmp_path.glob(f"2.tmp-{proc.pid}-*")  # the run's own: its pid and a random name
     assert (killed / ".metadata").exists()  # step 2's data was written...
     assert checkpoint.latest(tmp_path) == str(tmp_path / "1")  # ...but never committed
     loaded = checkpoint.load(checkpoint.latest(tmp_path), {"w": torch.zeros(3), "step": 0})
@@ -267,9 +267,11 @@ def test_resume_skips_a_checkpoint_whose_data_changed(tmp_path):
     assert state["epoch"] == 1 and torch.equal(state["w"], torch.arange(1000.0))
 
 
-def _save_and_wait(folder: str, started, again, done, told) -> None:
+def _save_and_wait(folder: str, started, again, done, told, pid: int | None) -> None:
     import warnings
 
+    if pid is not None:  # another container (PID namespace), where this run's pid is the same
+        os.getpid = lambda: pid
     checkpoint.save(folder, {"w": torch.ones(2)}, step=1)
     started.set()
     again.wait(120)  # the other run has saved into the folder too
@@ -280,22 +282,29 @@ def _save_and_wait(folder: str, started, again, done, told) -> None:
     done.wait(120)
 
 
-def test_two_runs_saving_into_one_directory_are_warned_of(tmp_path):
+@pytest.mark.parametrize("pids", ["their own pids", "one pid in two containers"])
+def test_two_runs_saving_into_one_directory_are_warned_of(tmp_path, pids):
     # F11: another live process holds the directory; a finished (or crashed) one does not.
+    # Two containers: the same pid in each (PID namespaces), one directory between them.
     ctx = multiprocessing.get_context("spawn")
     started, again, done = ctx.Event(), ctx.Event(), ctx.Event()
     told, tell = ctx.Pipe()
-    args = (str(tmp_path), started, again, done, tell)
+    same = os.getpid() if pids == "one pid in two containers" else None
+    args = (str(tmp_path), started, again, done, tell, same)
     other = ctx.Process(target=_save_and_wait, args=args)
     other.start()
     try:
         assert started.wait(240)
-        with pytest.warns(UserWarning, match=f"another running process \\(pid {other.pid}\\)"):
+        theirs = same or other.pid
+        (their_file,) = tmp_path.glob(f"pardist.run.{theirs}-*")
+        with pytest.warns(UserWarning, match=f"another running process \\(run {theirs}-"):
             checkpoint.save(tmp_path, {"w": torch.ones(2)}, step=2)
+        assert their_file.is_file()  # the other run's lock file is its own still
         again.set()
         assert told.poll(240)
         said = told.recv()  # and the first run is told of the second
-        assert any(f"another running process (pid {os.getpid()})" in m for m in said), said
+        assert any(f"another running process (run {os.getpid()}-" in m for m in said), said
+        assert len(list(tmp_path.glob("pardist.run.*"))) == 2
     finally:
         done.set()
         other.join(60)

@@ -133,12 +133,13 @@ def test_the_run_file_follows_no_link_and_overwrites_nothing(tmp_path):
     victim.write_text("keep me")
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    (folder / f"pardist.run.{os.getpid()}").symlink_to(victim)  # planted where this run writes
-    (folder / "pardist.run.999999").symlink_to(victim)  # and as another run's
+    (folder / f"pardist.run.{os.getpid()}").symlink_to(victim)  # an older pardist's name
+    (folder / "pardist.run.999999-0badc0de").symlink_to(victim)  # as another run's
     (folder / "pardist.lock").symlink_to(victim)  # an older pardist's lock name
     checkpoint.save(folder, {"w": torch.ones(2)}, step=1)
     assert victim.read_text() == "keep me"
-    assert not (folder / f"pardist.run.{os.getpid()}").is_symlink()  # its own file, made anew
+    (mine,) = [f for f in folder.glob(f"pardist.run.{os.getpid()}-*") if not f.is_symlink()]
+    assert mine.is_file() and mine.read_text() == mine.name[len("pardist.run.") :]
 
 
 def _a_folder_per_rank(base: str):

@@ -174,8 +174,8 @@ def test_tuple_axes(run):
 def test_errors(world1):
     with pytest.raises(ValueError, match=r"pardist.psum: axis 'tpu' is not in the mesh"):
         pardist.psum(torch.ones(1), "tpu")
-    with pytest.raises(TypeError, match=r"pardist.pmean: tree\['lr'\] is a float .*torch.tensor"):
-        pardist.pmean({"lr": 0.1}, "gpu")
+    with pytest.raises(TypeError, match=r"pardist.pmean: tree\['lr'\] is a str .*torch.tensor"):
+        pardist.pmean({"lr": "0.1"}, "gpu")
     with pytest.raises(
         ValueError,
         match=r"pardist.Mesh: axis sizes \{'node': 2, 'gpu': 2\} "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import helpers
 import pytest
 import torch
@@ -168,17 +170,24 @@ def _forgot_mean():
         g = torch.func.grad(lambda w, b: (b @ w).square().mean())(w, batch)
         return {"w": w - 0.1 * g}
 
-    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(pardist.rank()))
-    try:
-        step(torch.ones(3), x)
-    except ValueError as e:
-        return str(e)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(pardist.rank()), dtype=F64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = step(torch.ones(3, dtype=F64), x)
+        step(torch.ones(3, dtype=F64), x)  # (said once per step)
+    return out["w"], [str(w.message) for w in caught if w.category is pardist.GradientSumWarning]
 
 
-def test_replication_check_catches_a_missing_gradient_mean(run):
-    for msg in run(2, _forgot_mean):
-        assert "output['w'] differs between rank 0 and rank 1" in msg
-        assert "pardist.grad" in msg and "pardist.pmean" in msg
+def test_torch_func_grad_in_a_step_is_jaxs_sum_over_ranks_and_says_so(run):
+    # torch.func.grad of a per-rank loss is JAX's grad inside shard_map: the replicated
+    # input's gradient is the sum of the ranks' gradients (not pardist.grad's mean).
+    xs = [torch.randn(4, 3, generator=torch.Generator().manual_seed(r), dtype=F64) for r in (0, 1)]
+    w = torch.ones(3, dtype=F64)
+    total = sum(torch.func.grad(lambda w: (x @ w).square().mean())(w) for x in xs)  # noqa: B023
+    for new_w, messages in run(2, _forgot_mean):
+        assert_close64(new_w, w - 0.1 * total, "w")
+        assert len(messages) == 1, messages
+        assert "sum over the 2 ranks" in messages[0] and "pardist.grad" in messages[0]
 
 
 def _per_rank_output(debug_calls: int):
@@ -192,10 +201,25 @@ def _per_rank_output(debug_calls: int):
     return errors
 
 
-def test_check_runs_on_first_call_and_every_call_in_debug_mode(run):
-    # The first call checks and raises; later calls are unchecked without the debug flag.
-    assert run(2, _per_rank_output, 3) == [1, 1]
+def _equal_by_value_varying_by_type(calls: int):
+    # Equal on every rank at the first call, not at the second: the type says from the start.
+    step = pardist.data_parallel(lambda w, b: pardist.all_gather(b, "gpu").sum() * w)
+    errors = []
+    for i in range(calls):
+        try:
+            step(torch.ones(()), torch.full((2,), float(i * pardist.rank())))
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_outputs_are_checked_by_type_on_every_call(run):
+    # A per-rank output under P() is refused on every call, debug mode or not (by its type).
+    assert run(2, _per_rank_output, 3) == [3, 3]
     assert run(2, _per_rank_output, 3, env={"PARDIST_DEBUG": "1"}) == [3, 3]
+    for errors in run(2, _equal_by_value_varying_by_type, 2):
+        assert len(errors) == 2
+        assert "varies over ('gpu',)" in errors[0] and "pmean" in errors[0]
 
 
 def _sharded_output_spec():

@@ -48,6 +48,9 @@ def model(kind: str) -> nn.Module:
             nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5), nn.BatchNorm1d(5),
         )  # fmt: skip
+    if kind == "odd":  # numels 130, 13, 91, 7, 35, 5: no shard a multiple of a vector width
+        return nn.Sequential(nn.Linear(10, 13), nn.Tanh(), nn.Linear(13, 7), nn.Tanh(),
+                             nn.Linear(7, 5))  # fmt: skip
     if kind == "wide":  # 69,893 parameters: sums split over the ranks (collectives._fold)
         return nn.Sequential(nn.Linear(10, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
                              nn.Linear(256, 5))  # fmt: skip
@@ -56,7 +59,7 @@ def model(kind: str) -> nn.Module:
 
 def batches(kind: str, steps: int, rows: int = 24, dtype=torch.float32) -> list:
     g = torch.Generator().manual_seed(1)
-    if kind in ("mlp", "wide"):
+    if kind in ("mlp", "wide", "odd"):
         xs = [torch.randn(rows, 10, generator=g, dtype=dtype) for _ in range(steps)]
     elif kind == "bn":
         xs = [torch.randn(rows, 3, 8, 8, generator=g, dtype=dtype) * 2 + 0.5 for _ in range(steps)]
@@ -65,14 +68,18 @@ def batches(kind: str, steps: int, rows: int = 24, dtype=torch.float32) -> list:
     return [(x, torch.randint(0, 5, (rows,), generator=g)) for x in xs]
 
 
-def train(kind: str, optimizer: str, steps: int = 3, groups: int = G, dtype=torch.float32):
-    """On every rank: ``steps`` deterministic steps on this rank's slice of each batch."""
+def train(
+    kind: str, optimizer: str, steps: int = 3, groups: int = G, dtype=torch.float32, fsdp=False
+):
+    """On every rank: ``steps`` deterministic steps on this rank's slice of each batch
+    (with ``fsdp``, on ``pardist.fsdp`` shards, returned whole)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels at every world size
     try:
         pardist.seed_everything(0)
         pardist.set_rng_count(0)  # a fresh run (these worker processes ran other tests)
         apply, params, buffers = pardist.functional(model(kind).to(dtype))
+        params = pardist.fsdp(params) if fsdp else params
         opt = (
             pardist.optim.sgd(0.05, momentum=0.9)
             if optimizer == "sgd"
@@ -97,6 +104,9 @@ def train(kind: str, optimizer: str, steps: int = 3, groups: int = G, dtype=torc
             mine = (x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
             params, buffers, opt_state, loss = step(params, buffers, opt_state, mine)
             losses.append(loss)
+        if fsdp:  # the shards, whole (every rank calls full_tensor: a collective)
+            whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+            params, opt_state = torch.utils._pytree.tree_map(whole, (params, opt_state))
         return params, buffers, opt_state, losses
     finally:
         torch.set_num_threads(threads)
@@ -124,6 +134,19 @@ def test_bit_identical_at_world_sizes_1_to_4(run, kind, optimizer):
     # it trains: every parameter moved
     start = dict(model(kind).named_parameters())
     assert all(not torch.equal(p, start[k]) for k, p in one[0].items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_fsdp_shards_of_any_length_have_the_whole_tensors_bits(run, optimizer, dtype):
+    """pardist.fsdp cuts each parameter where torch.chunk does (13 elements: 7 + 6, 5 + 5 +
+    3, 4 + 4 + 4 + 1), and torch's fused kernels take the last numel % W elements of a
+    tensor in a scalar tail that rounds otherwise than the SIMD lanes (W: the CPU's vector
+    width). The update is the whole tensor's, element for element, at every world size."""
+    one = run(1, train, "odd", optimizer, dtype=dtype, fsdp=True)[0]
+    for n in (2, 3, 4):
+        for r, result in enumerate(run(n, train, "odd", optimizer, dtype=dtype, fsdp=True)):
+            assert_equal(result, one, f"fsdp {optimizer} {dtype} at {n} ranks, rank {r}")
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))

@@ -83,15 +83,20 @@ def _local_and_unused():
         # u is used on rank 0 only: it must still get the mean (g0 + 0) / 2 on both
         return (x * w).sum() + (u.sum() if r == 0 else 0.0)
 
-    step = pardist.data_parallel(lambda w, u, x: pardist.grad(f, argnums=(0, 1, 2))(w, u, x))
+    P = pardist.P  # x's gradient is its shard's: it varies over 'gpu'
+    step = pardist.data_parallel(
+        lambda w, u, x: pardist.grad(f, argnums=(0, 1, 2))(w, u, x),
+        out_specs=(P(), P(), P("gpu")),
+    )
     return step(w, u, x)
 
 
-def test_sharded_inputs_keep_local_gradients_and_unused_get_the_mean(run):
+def test_sharded_inputs_get_the_global_gradient_and_unused_get_the_mean(run):
     for gw, gu, gx in run(2, _local_and_unused):
         assert gw.tolist() == [4.5, 4.5]  # mean of 3*1 and 3*2
         assert gu.tolist() == [0.5, 0.5]
-        assert gx.tolist() == [[1.0, 1.0]] * 3  # d/dx of the local loss, not averaged
+        # d/dx of the loss averaged over the ranks (one process's on the global batch)
+        assert gx.tolist() == [[0.5, 0.5]] * 3
 
 
 def _kept_gradients_survive_the_next_step():

@@ -170,24 +170,23 @@ def _sharded_input_gradients(k: int):
 
 
 @pytest.mark.parametrize("env", TRANSPORTS)
-def test_gradients_of_sharded_inputs_under_accumulation_are_the_local_ones(run, env):
+def test_gradients_of_sharded_inputs_under_accumulation_are_the_global_ones(run, env):
     params, t, x, y = _data()
     rows = [(x.chunk(2)[r], y.chunk(2)[r]) for r in range(2)]
 
-    def global_grad(ts):  # of the global loss: the mean of the two ranks' losses
-        return torch.func.grad(
-            lambda p: (loss3(p, ts[0], *rows[0]) + loss3(p, ts[1], *rows[1])) / 2
-        )(params)
+    def global_loss(p, ts, xs):  # the mean of the two ranks' losses
+        return (loss3(p, ts[0], xs[0], rows[0][1]) + loss3(p, ts[1], xs[1], rows[1][1])) / 2
 
+    xs = [x_r for x_r, _ in rows]
+    gp1, gxs = torch.func.grad(global_loss, argnums=(0, 2))(params, [t[0], t[0]], xs)
+    gp2_1, gts = torch.func.grad(global_loss, argnums=(0, 1))(params, [t[0], t[1]], xs)
     for r, ((gp, gx), (gp2, gt)) in enumerate(run(2, _sharded_input_gradients, 3, env=env)):
-        # A sharded input keeps the gradient of its own rank's loss (not averaged).
-        x_r, y_r = rows[r]
-        gx_local = torch.func.grad(lambda x: loss3(params, t[0], x, y_r))(x_r)  # noqa: B023
-        gt_local = torch.func.grad(lambda t_: loss3(params, t_, x_r, y_r))(t[r])  # noqa: B023
-        assert_close64(gx, gx_local, "x")
-        assert_close64(gt, gt_local, "t")
-        assert_close64(gp, global_grad([t[0], t[0]]), "params, x split")
-        assert_close64(gp2, global_grad(t), "params, t whole")
+        # Every argument's gradient is that of the global loss: a sharded input's is its
+        # rows' (the micro-batches' joined), a per-rank one's its own; as one process's.
+        assert_close64(gx, gxs[r], "x")
+        assert_close64(gt, gts[r], "t")
+        assert_close64(gp, gp1, "params, x split")
+        assert_close64(gp2, gp2_1, "params, t whole")
 
 
 def _errors():

@@ -50,6 +50,7 @@ class Feature:
     uneven: bool = False  # rank 0 holds 6 rows of the batch of 16, rank 1 the other 10
     scale: bool = False  # fp16's dynamic loss scale; rank 1's batch of step 1 overflows
     listed: bool = False  # the shard as a list of two micro-batches
+    collectives: bool = False  # the global loss written with collectives (JAX's idiom)
 
 
 FEATURES = {
@@ -66,6 +67,7 @@ FEATURES = {
     "loss_scale": Feature(scale=True),
     "fsdp_loss_scale": Feature(scale=True, params=pardist.fsdp),  # (the verdict of chunks)
     "list": Feature(grad={"accumulate": "list"}, listed=True),
+    "collectives": Feature(collectives=True),
 }
 MODES = {"eager": {}, "compiled": {"compile": True}, "deterministic": {"deterministic": 4}}
 
@@ -82,6 +84,8 @@ EXPECTED = {
     ("deterministic", "accumulate"): _REFUSED,
     ("deterministic", "rows"): _REFUSED,
     ("deterministic", "list"): "takes no list of micro-batches (accumulate='list')",
+    ("deterministic", "collectives"): "inside the function pardist.grad differentiates in the "
+    "deterministic mode",
 }
 POISONED = 1  # the step whose batch overflows on rank 1 (loss_scale)
 
@@ -162,6 +166,15 @@ def train(mode: str, feature: str):
         out = apply(p, buffers, x)[0]
         if tokens:  # the sum over the batch's rows (one token each), and their count
             return F.cross_entropy(out, y, reduction="sum"), y.new_tensor(len(y)).double()
+        if f.collectives:  # the global batch's mean, twice: over every rank's logits
+            # (gathered, invariant), and as the global sum over the global count (psum)
+            everyone = F.cross_entropy(
+                pardist.all_gather(out, "gpu", invariant=True),
+                pardist.all_gather(y, "gpu", invariant=True),
+            )
+            count = pardist.psum((y >= 0).sum().to(out.dtype), "gpu")
+            summed = pardist.psum(F.cross_entropy(out, y, reduction="sum"), "gpu") / count
+            return (everyone + summed) / 2
         loss = F.cross_entropy(out, y)
         return scaler.scale(loss, ls) if f.scale else loss
 

@@ -152,3 +152,64 @@ def test_varying_output_with_replicated_out_spec_is_an_error(run):
     for msg in run(N, _varying_output_replicated):
         assert "output['whole'] varies over ('i',)" in msg
         assert "out_specs replicate it over ('i',)" in msg and "invariant=True" in msg
+
+
+def _legacy_and_manual():
+    mesh = pardist.Mesh({"i": N})
+    xs, _, _ = inputs()
+    x = xs[pardist.rank()]
+    f = lambda x: (pardist.psum(x, "i") ** 2).sum()  # noqa: E731
+    out = {}
+    for check in (True, False):
+        step = pardist.shard_map(
+            lambda x: pardist.grad(f)(x), mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+            check_vma=check,
+        )  # fmt: skip
+        out[check] = step(x)
+    # check_vma=False checks outputs by value only (the first call): equal values pass.
+    gathered = pardist.shard_map(
+        lambda x: pardist.all_gather(x, "i"), mesh=mesh, in_specs=P("i"), out_specs=P(),
+        check_vma=False,
+    )(x)  # fmt: skip
+    try:  # a collective over an axis the step is not manual over
+        pardist.shard_map(
+            lambda x: pardist.psum(x, "i"), mesh=mesh, in_specs=P(), out_specs=P(),
+            axis_names=(),
+        )(x)  # fmt: skip
+    except ValueError as e:
+        out["manual"] = str(e)
+    return out, gathered
+
+
+def test_check_vma_false_is_jaxs_legacy_rule_and_axis_names_limits_the_axes(run):
+    xs, _, _ = inputs()
+    total = sum(xs)
+    for out, gathered in run(N, _legacy_and_manual):
+        assert_close64(out[True], 2 * total, "check_vma=True: psum's transpose is the identity")
+        assert_close64(out[False], 2 * N * total, "check_vma=False: psum's transpose is psum")
+        assert_close64(gathered, torch.cat(xs), "gathered")
+        assert "is not one of the step's manual axes (axis_names=[])" in out["manual"]
+
+
+def _grouped():
+    r = pardist.rank()
+    x = torch.tensor([1.0, 10.0], dtype=F64) * (r + 1)
+    groups = [[0, 2], [1, 3]]
+    sums = pardist.psum(x, "gpu", axis_index_groups=groups)
+    means = pardist.pmean({"x": x, "n": 1.0}, "gpu", axis_index_groups=groups)
+    # The grouped sum varies over the axis (between groups) and transposes into itself.
+    step = pardist.shard_map(
+        lambda x: pardist.grad(lambda x: (pardist.psum(x, "gpu", axis_index_groups=groups) ** 2)
+                              .sum())(x),
+        in_specs=P("gpu"), out_specs=P("gpu"),
+    )  # fmt: skip
+    return sums, means, step(x)
+
+
+def test_axis_index_groups_sum_within_each_group(run):
+    for r, (sums, means, g) in enumerate(run(4, _grouped)):
+        mates = (1 + r % 2) + (3 + r % 2)  # ranks r % 2 and r % 2 + 2, each times rank + 1
+        want = torch.tensor([1.0, 10.0], dtype=F64) * mates
+        assert_close64(sums, want, "psum")
+        assert_close64(means, {"x": want / 2, "n": 1.0}, "pmean")
+        assert_close64(g, 2 * 2 * want, "gradient: the grouped sum of the cotangents 2 * sums")

@@ -77,7 +77,8 @@ def training_function(args):
         optimizer, args.warmup, len(train_dataloader) * args.epochs // args.grad_accum
     )
     # Accelerate's sharding: rank r takes every world-th loader batch, a global batch of the
-    # world's batches; its prepared scheduler steps once per process (steps_per_update).
+    # world's batches; its prepared scheduler steps once per process at each step().
+    lr_scheduler = pardist.optim.prepared(lr_scheduler)
     n = pardist.world_size()
     train_dataloader = pardist.data.shard(
         train_dataloader, split_batches=True, batch_size=args.batch_size * n
@@ -86,9 +87,12 @@ def training_function(args):
         eval_dataloader, split_batches=True, batch_size=args.batch_size * n
     )
     apply, params, buffers = pardist.functional(model)
-    adamw = pardist.optim.from_torch(optimizer, model, lr_scheduler, steps_per_update=n)
+    adamw = pardist.optim.from_torch(optimizer, model, lr_scheduler)
     opt = pardist.optim.chain(pardist.optim.clip_by_global_norm(args.max_grad_norm), adamw)
-    state = {"params": params, "opt_state": opt.init(params)}
+    # The torch optimizer and scheduler go in the checkpoint as they are (their state_dict()):
+    # the rates they hold resume with them, as Accelerate's save_state keeps them.
+    state = {"params": params, "opt_state": opt.init(params), "optimizer": optimizer}
+    state["scheduler"] = lr_scheduler
 
     def loss_fn(params, batch):  # a micro-batch's sum over its tokens (HF: divided by 1)
         loss = apply(params, buffers, **batch, num_items_in_batch=1)[0].loss
@@ -109,15 +113,16 @@ def training_function(args):
         resume_step = overall_step - starting_epoch * len(train_dataloader)
     for epoch in range(starting_epoch, args.epochs):
         model.train()
+        train_dataloader.set_epoch(epoch)  # this epoch's order, in a resumed process too
         if resume_step is not None and epoch == starting_epoch:
             active_dataloader = pardist.data.skip_first_batches(train_dataloader, resume_step)
         else:
             active_dataloader = train_dataloader
-        iterator = iter(active_dataloader)
-        for _ in range(len(active_dataloader) // args.grad_accum):
-            micro_batches = [next(iterator) for _ in range(args.grad_accum)]
+        updates = pardist.data.micro_batches(active_dataloader, args.grad_accum, drop_last=True)
+        for micro_batches in updates:
             params, opt_state, loss = train_step(state["params"], state["opt_state"], micro_batches)
             state.update(params=params, opt_state=opt_state)
+            lr_scheduler.step()
             overall_step += args.grad_accum
             loss = loss.item()
             pardist.print0(f"epoch {epoch} step {overall_step}: loss {loss!r}")

@@ -1,30 +1,18 @@
 """Collectives over named mesh axes that autograd and torch.func differentiate correctly.
 
-Every rank runs the same program on its own data. Which backward rule is right
-depends on whether a value *varies* over an axis or is *invariant* over it (the
-same on every rank of it), exactly as in JAX's ``shard_map``:
+Every rank runs the same program on its own data. Which transpose is right depends
+on whether a value *varies* over an axis or is *invariant* over it (the same on every
+rank of it), exactly as in JAX's ``shard_map`` with ``check_vma=True``: every step on
+more than one process types its values (``_vma``), each collective's result is typed
+by its Function's rule, and an invariant input is lifted with ``pvary`` first (so
+``psum`` of an invariant ``x`` is ``axis_size * x``). The table of forwards,
+transposes and type rules is ``pardist/transport/_primitives.py``; docs/semantics.md
+sets it beside JAX's.
 
-==================  =========================  =================================
-collective          result                     transpose (backward)
-==================  =========================  =================================
-``psum``/``pmean``  invariant over the axis    identity (``pvary``)
-``pmax``            invariant over the axis    to the ranks holding the maximum
-``all_gather``      varying                    ``psum_scatter``
-``all_gather``      invariant                  this rank's block
-(``invariant``)
-``psum_scatter``    varying                    ``all_gather``
-``all_to_all``      varying                    ``all_to_all``, dims swapped
-``pvary``           varying                    ``psum``
-==================  =========================  =================================
-
-An input that is invariant over the axis is first lifted with ``pvary`` (so
-``psum`` of an invariant ``x`` is ``axis_size * x``). Inside a step with axes
-beyond its data axes (``pardist.shard_map``, tensor parallelism) pardist tracks
-which axes every value varies over (``pardist._vma``) and applies these rules,
-lifting invariant values where they meet varying ones. Elsewhere (plain data
-parallelism, outside any step) every value counts as varying, and ``psum``'s
-transpose is ``psum``: for data parallelism that is exactly the gradient of the
-mean loss over the axis.
+Outside any step nothing is typed: every value counts as varying and each result is
+lifted back at once (``psum``'s transpose is then ``psum``, the gradient of the sum
+of every rank's objective). Python numbers are constants, the same on every rank:
+``psum(1.0, axis)`` is the axis size, as in JAX.
 """
 
 from __future__ import annotations
@@ -34,29 +22,41 @@ from typing import Any
 
 import torch
 
-from pardist.collectives import _vma
+from pardist.collectives import _groups, _vma
 from pardist.compile import _traced
-from pardist.runtime import Compiled, Eager, _mesh, _tree, current_mode, functorch
-from pardist.transport import (
-    AllGather,
-    AllGatherInvariant,
-    Pmax,
-    Psum,
-    PsumInvariant,
-    Pvary,
-    _primitives,
+from pardist.runtime import (
+    Compiled,
+    Eager,
+    _lockstep,
+    _mesh,
+    _tree,
+    current_mode,
+    current_step,
+    functorch,
 )
+from pardist.transport import Pmax, Psum, PsumInvariant, Pvary, _primitives
 
-__all__ = ["all_gather", "axis_index", "axis_size", "pmax", "pmean", "psum", "pvary"]
+__all__ = [
+    "AxisIndex",
+    "varying_axes",
+    "axis_index",
+    "axis_size",
+    "pmax",
+    "pmean",
+    "pmin",
+    "psum",
+    "pvary",
+]
 
 _functorch = functorch
 reduce_groups = (
     _primitives.reduce
 )  # how reductions travel: shared memory on one host, else the backend
+_NUMBER = (int, float, bool)
 
 
 def psum_groups(x: torch.Tensor, groups: list) -> torch.Tensor:
-    """The untracked psum over process groups (backward: psum), as pardist.grad's mean calls it."""
+    """The untyped psum over process groups (backward: psum), as pardist.grad's mean calls it."""
     return Psum.apply(x, groups, reduce_groups)
 
 
@@ -67,125 +67,193 @@ def needs_grad(x: torch.Tensor) -> bool:
     )
 
 
-def _lift(state: _vma.Tracking, x: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
+def lift(state: _vma.Tracking, x: torch.Tensor, axes: frozenset[str]) -> torch.Tensor:
     """``x`` made varying over ``axes`` (JAX inserts the same ``pvary`` before a collective)."""
-    missing = axes - state.get(x)
-    return Pvary.apply(x, state.groups(missing), reduce_groups) if missing and needs_grad(x) else x
+    missing = axes - _vma.grad_axes(state.get(x))
+    if not missing or not needs_grad(x):
+        return x
+    state.outside_grads = state.outside_grads or not state.grads
+    return Pvary.apply(x, state.groups(missing), reduce_groups)
 
 
-def _tensors(tree: Any, where: str) -> tuple[list[torch.Tensor], Any]:
-    leaves = _tree.check_tensor_leaves(tree, where=where, name="tree")
-    return leaves, _tree.tree_flatten(tree)[1]
+def retype(state: _vma.Tracking, out: torch.Tensor, v: frozenset, fn, axes) -> torch.Tensor:
+    """Type ``out``, ``fn``'s result from a value of type ``v``, by ``fn``'s type rule."""
+    kind = fn.typing
+    return state.set(out, _vma.drop(v, axes) if kind == "invariant" else _vma.vary(v, axes))
+
+
+def guard(state: _vma.Tracking | None, names: tuple, where: str) -> None:
+    """A collective over ``names`` may run here: a manual axis of the step, and not over
+    the data axes inside the deterministic mode's row groups (whose pairing of rows across
+    ranks changes with the world size: the mode's bits would not be the same)."""
+    if state is not None:
+        state.check(names, where)
+    if _lockstep.current() is not None:
+        ctx = current_step()
+        if ctx is not None and set(names) & set(ctx.axis):
+            raise ValueError(
+                f"{where} over {names} inside the function pardist.grad differentiates in the "
+                f"deterministic mode: its row groups would pair up differently at another "
+                "world size, so the mode's bits could not be the same. Call it outside "
+                "pardist.grad (on its results), or train without deterministic=."
+            )
+
+
+def split_leaves(tree: Any, where: str) -> tuple[list, Any]:
+    """``tree``'s leaves (tensors, or Python numbers) and its structure."""
+    leaves, spec = _tree.tree_flatten(tree)
+    if not all(isinstance(x, torch.Tensor) or type(x) in _NUMBER for x in leaves):
+        _tree.check_tensor_leaves(tree, where=where, name="tree")  # names the leaf
+    return leaves, spec
 
 
 def _map(tree: Any, where: str, fn) -> Any:
-    leaves, spec = _tensors(tree, where)
-    return _tree.tree_unflatten([fn(leaf) for leaf in leaves], spec)
+    leaves, spec = split_leaves(tree, where)
+    return _tree.tree_unflatten([fn(x) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
 
-def _coalesced(tree: Any, where: str, fn, vma: Callable | None = None) -> Any:
-    """Apply an elementwise collective ``fn`` once per (dtype, device), not once per leaf.
+def _coalesced(tree: Any, where: str, fn, typed: Callable | None, number) -> Any:
+    """Apply an elementwise collective ``fn`` once per (dtype, device, type), not per leaf.
 
     A tree of many small tensors (batch-norm buffers, metrics) then costs one
     collective. The flattening is differentiable (cat / split), so autograd and
-    torch.func see through it. Tracked, leaves are also grouped by the axes
-    they vary over, and ``vma(v)`` gives the result's.
+    torch.func see through it. ``typed(out, v)`` types a result from its input's
+    type; ``number(x)`` is the result for a Python number.
     """
-    leaves, spec = _tensors(tree, where)
-    state = _vma.current() if vma is not None else None
-    kinds = [state.get(leaf) for leaf in leaves] if state is not None else [None] * len(leaves)
-    out: list[torch.Tensor | None] = [None] * len(leaves)
+    leaves, spec = split_leaves(tree, where)
+    state = _vma.current() if typed is not None else None
+    out: list = [number(x) if type(x) in _NUMBER else None for x in leaves]
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault((leaf.dtype, leaf.device, kinds[i]), []).append(i)
+        if out[i] is None:
+            kind = state.get(leaf) if state is not None else None
+            groups.setdefault((leaf.dtype, leaf.device, kind), []).append(i)
     with _vma.paused():
-        for index in groups.values():
+        for (_, _, kind), index in groups.items():
             if len(index) == 1:
                 out[index[0]] = fn(leaves[index[0]])
             else:
-                flat = fn(torch.cat([leaves[i].reshape(-1) for i in index]))
+                joined = torch.cat([leaves[i].reshape(-1) for i in index])
+                if state is not None:  # (made while paused: typed as its leaves, by hand)
+                    state.set(joined, kind)
+                flat = fn(joined)
                 pieces = flat.split([leaves[i].numel() for i in index])
                 for i, piece in zip(index, pieces):
                     out[i] = piece.view(leaves[i].shape)
             if state is not None:
                 for i in index:
-                    state.set(out[i], vma(kinds[i]))
+                    typed(out[i], kind)
     return _tree.tree_unflatten(out, spec)
 
 
-def _reduction(tree: Any, axis, name: str, make) -> Any:
-    """psum / pmean / pmax: ``make(groups, tracked)`` gives the per-tensor reduction."""
+def _reduction(tree: Any, axis, name: str, op, number, groups=None, scale: float = 1.0) -> Any:
+    """psum / pmean / pmax over ``axis`` (within ``groups`` of its indices, if given).
+
+    ``op(x, process_groups, typed)`` is the per-tensor reduction, ``number(x, size)``
+    the result for a Python number, ``scale`` a factor of the result (pmean's 1/size).
+    """
     mesh = _mesh.current_mesh(name)
-    names, groups = mesh.axes(axis, name), mesh.groups(axis, name)
-    where = f"pardist.{name}"
-    if not groups:
-        return _map(tree, where, lambda x: x)
+    names, where = mesh.axes(axis, name), f"pardist.{name}"
+    size, pgroups = mesh.size(axis, name), mesh.groups(axis, name)
+    if groups is not None:
+        group, size, _ = _groups.subgroup(mesh.group(axis, name), mesh.index(axis), groups, where)
+        pgroups = [group] if size > 1 else []
+    if not pgroups:
+        return _coalesced(tree, where, lambda x: x, None, lambda x: number(x, 1))
+    factor = scale if scale != 1.0 else None
     state = _vma.current()
-    if state is None:
-        return _coalesced(tree, where, make(groups, False))
-    axes = frozenset(names) & state.live
-    reduce = make(groups, True)
-    return _coalesced(tree, where, lambda x: reduce(_lift(state, x, axes)), lambda v: v - axes)
+    guard(state, names, where)
+    axes = frozenset(names) & state.live if state is not None else frozenset()
+
+    def one(x: torch.Tensor) -> torch.Tensor:
+        y = op(lift(state, x, axes) if state is not None else x, pgroups, state)
+        return y * factor if factor is not None else y
+
+    def typed(out: torch.Tensor, v: frozenset):
+        # Over groups of indices the result still differs between groups: varying.
+        kind = _vma.drop(v, axes) if groups is None else _vma.vary(v, axes)
+        state.set(out, kind)
+
+    return _coalesced(tree, where, one, typed, lambda x: number(x, size))
 
 
-def psum(tree: Any, axis: str | tuple[str, ...]) -> Any:
-    """Sum every tensor leaf of ``tree`` over the ranks of ``axis``.
+def _summed(groups_option):
+    def op(x, pgroups, state):
+        kind = PsumInvariant if state is not None and groups_option is None else Psum
+        return kind.apply(x, pgroups, reduce_groups)
 
-    The result is invariant over ``axis``; its backward is the identity where
-    pardist tracks varying axes (a :func:`shard_map` step with model axes) and a
-    ``psum`` of the cotangent elsewhere (see the module's table). With a tuple
-    of axes it reduces the innermost axis first, then the outer ones.
+    return op
+
+
+def _integral(x):
+    return int(x) if type(x) is bool else x
+
+
+def psum(tree: Any, axis: str | tuple[str, ...], *, axis_index_groups=None) -> Any:
+    """Sum every leaf of ``tree`` over the ranks of ``axis``.
+
+    The result is invariant over ``axis``; its transpose is the identity (a ``pvary``
+    of the cotangent), and an invariant input is lifted first, so ``psum`` of a value
+    that is the same on every rank is ``axis_size`` times it (JAX's rule; see
+    docs/semantics.md). With a tuple of axes it reduces the innermost axis first.
+    ``axis_index_groups=[[0, 1], [2, 3]]`` sums within each group of indices (the
+    result then still varies over the axis, and transposes to the same grouped sum).
+    A Python number is a constant: ``psum(1, 'gpu')`` is the axis size.
 
     Example:
         >>> import pardist, torch
         >>> _ = pardist.init()
-        >>> pardist.psum({'n': torch.tensor(3.)}, 'gpu')
-        {'n': tensor(3.)}
+        >>> pardist.psum({'n': torch.tensor(3.), 'ranks': 1}, 'gpu')
+        {'n': tensor(3.), 'ranks': 1}
         >>> pardist.shutdown()
     """
-    return current_mode().run("psum", tree, axis)
+    return current_mode().run("psum", tree, axis, axis_index_groups)
 
 
 @Eager.register("psum")
-def _psum(mode, tree: Any, axis) -> Any:
-    return _reduction(
-        tree,
-        axis,
-        "psum",
-        lambda groups, tracked: (
-            lambda x: (PsumInvariant if tracked else Psum).apply(x, groups, reduce_groups)
-        ),
-    )
+def _psum(mode, tree: Any, axis, groups) -> Any:
+    number = lambda x, size: _integral(x) * size  # noqa: E731
+    return _reduction(tree, axis, "psum", _summed(groups), number, groups)
 
 
-def pmean(tree: Any, axis: str | tuple[str, ...]) -> Any:
-    """Average every tensor leaf of ``tree`` over the ranks of ``axis`` (differentiable).
+def pmean(tree: Any, axis: str | tuple[str, ...], *, axis_index_groups=None) -> Any:
+    """Average every leaf of ``tree`` over the ranks of ``axis`` (differentiable).
 
     Example:
         >>> import pardist, torch
         >>> _ = pardist.init()
-        >>> pardist.pmean([torch.tensor([1., 3.])], 'gpu')
-        [tensor([1., 3.])]
+        >>> pardist.pmean([torch.tensor([1., 3.]), 2.0], 'gpu')
+        [tensor([1., 3.]), 2.0]
         >>> pardist.shutdown()
     """
-    return current_mode().run("pmean", tree, axis)
+    return current_mode().run("pmean", tree, axis, axis_index_groups)
 
 
 @Eager.register("pmean")
-def _pmean(mode, tree: Any, axis) -> Any:
-    size = _mesh.current_mesh("pmean").size(axis, "pmean")
+def _pmean(mode, tree: Any, axis, groups) -> Any:
+    mesh = _mesh.current_mesh("pmean")
+    size = mesh.size(axis, "pmean")
+    if groups is not None:  # the size of this rank's group of indices
+        index = mesh.index(axis)
+        size = next(
+            len(g) for g in _groups.check(groups, size, "pardist.pmean", False) if index in g
+        )
+    number = lambda x, n: float(x)  # noqa: E731  (the mean of a constant is itself)
+    return _reduction(tree, axis, "pmean", _summed(groups), number, groups, 1.0 / size)
 
-    def make(groups, tracked):
-        kind = PsumInvariant if tracked else Psum
-        return lambda x: kind.apply(x, groups, reduce_groups) / size
 
-    return _reduction(tree, axis, "pmean", make)
+def _maximum(groups_option):
+    def op(x, pgroups, state):
+        return Pmax.apply(x, pgroups, reduce_groups, state is not None and groups_option is None)
+
+    return op
 
 
-def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
-    """Elementwise maximum of every tensor leaf over the ranks of ``axis``.
+def pmax(tree: Any, axis: str | tuple[str, ...], *, axis_index_groups=None) -> Any:
+    """Elementwise maximum of every leaf over the ranks of ``axis``.
 
-    The gradient flows to the ranks holding the maximum (split evenly on ties).
+    The gradient flows to the ranks holding the maximum (split evenly on ties); JAX
+    defines none. ``axis_index_groups`` as for :func:`psum`.
 
     Example:
         >>> import pardist, torch
@@ -194,124 +262,37 @@ def pmax(tree: Any, axis: str | tuple[str, ...]) -> Any:
         tensor([ 1., -2.])
         >>> pardist.shutdown()
     """
-    return current_mode().run("pmax", tree, axis)
+    return current_mode().run("pmax", tree, axis, axis_index_groups)
 
 
 @Eager.register("pmax")
-def _pmax(mode, tree: Any, axis) -> Any:
-    return _reduction(
-        tree,
-        axis,
-        "pmax",
-        lambda groups, tracked: lambda x: Pmax.apply(x, groups, reduce_groups, tracked),
-    )
+def _pmax(mode, tree: Any, axis, groups) -> Any:
+    return _reduction(tree, axis, "pmax", _maximum(groups), lambda x, n: x, groups)
 
 
-def checked_dim(x: torch.Tensor, dim: int, where: str, what: str) -> int:
-    """``dim`` of the leaf ``x`` made non-negative; an error where ``x`` has no such dim."""
-    if x.ndim == 0:
-        raise ValueError(
-            f"{where}: a leaf is a scalar (shape ()); there is no dim {dim} to {what}. "
-            "Use x[None] to make it a vector."
-        )
-    if not -x.ndim <= dim < x.ndim:
-        raise ValueError(
-            f"{where}: dim {dim} is out of range for a leaf of shape {tuple(x.shape)}."
-        )
-    return dim % x.ndim
-
-
-def _blockwise(tree: Any, axis, name: str, prepare, apply, vma) -> Any:
-    """A collective over one (flattened) group.
-
-    ``prepare(x, size, where)`` checks a leaf and returns its dims,
-    ``apply(x, group, dims)`` runs the collective, ``vma(v, axes)`` types it.
-    """
-    return current_mode().run("blockwise", tree, axis, name, prepare, apply, vma)
-
-
-@Compiled.register("blockwise")
-def _blockwise_traced(mode, tree, axis, name: str, *_) -> Any:
-    # data_parallel(compile=True) then runs the step eagerly
-    raise NotImplementedError(
-        f"pardist.{name} has no traceable form inside a compiled step; pass "
-        "compile=False (the step runs eagerly)"
-    )
-
-
-@Eager.register("blockwise")
-def _blockwise_eager(mode, tree: Any, axis, name: str, prepare, apply, vma) -> Any:
-    mesh = _mesh.current_mesh(name)
-    where = f"pardist.{name}"
-    names, size = mesh.axes(axis, name), mesh.size(axis, name)
-    leaves, spec = _tensors(tree, where)
-    dims = [prepare(x, size, where) for x in leaves]
-    if size == 1:
-        return _tree.tree_unflatten(leaves, spec)
-    group = mesh.group(axis, name)
-    state = _vma.current()
-    if state is None:
-        return _tree.tree_unflatten([apply(x, group, d) for x, d in zip(leaves, dims)], spec)
-    axes = frozenset(names) & state.live
-
-    def one(x: torch.Tensor, d) -> torch.Tensor:
-        v = state.get(x)
-        with _vma.paused():
-            return state.set(apply(_lift(state, x, axes), group, d), vma(v, axes))
-
-    return _tree.tree_unflatten([one(x, d) for x, d in zip(leaves, dims)], spec)
-
-
-def all_gather(
-    tree: Any, axis: str | tuple[str, ...], dim: int = 0, *, invariant: bool = False
-) -> Any:
-    """Concatenate every leaf along ``dim`` over the ranks of ``axis``, in axis order.
-
-    Every rank must pass the same shapes; for per-rank lengths that differ (an
-    evaluation epoch's outputs) use :func:`pardist.gather`. Differentiable: each
-    rank's slice receives the sum of its cotangents over the ranks
-    (``psum_scatter``). The result counts as varying over ``axis``, as JAX's
-    ``all_gather``; with ``invariant=True`` it is invariant (JAX's
-    ``all_gather_invariant``), and the backward keeps this rank's block of the
-    cotangent without communicating: use that where every rank then does the
-    same work with the whole value (a replicated loss over gathered logits).
+def pmin(tree: Any, axis: str | tuple[str, ...], *, axis_index_groups=None) -> Any:
+    """Elementwise minimum of every leaf over the ranks of ``axis``: ``-pmax(-x)``, exactly
+    (negation is exact), with pmax's gradient.
 
     Example:
         >>> import pardist, torch
         >>> _ = pardist.init()
-        >>> pardist.all_gather(torch.tensor([[1., 2.]]), 'gpu', dim=1)
-        tensor([[1., 2.]])
+        >>> pardist.pmin(torch.tensor([1., -2.]), 'gpu')
+        tensor([ 1., -2.])
         >>> pardist.shutdown()
     """
-    return current_mode().run("all_gather", tree, axis, dim, invariant)
-
-
-@Eager.register("all_gather")
-def _all_gather(mode, tree: Any, axis, dim: int, invariant: bool) -> Any:
-    kind = AllGatherInvariant if invariant else AllGather
-
-    def prepare(x: torch.Tensor, size: int, where: str) -> int:
-        return checked_dim(x, dim, where, "concatenate along")
-
-    return _blockwise(
-        tree,
-        axis,
-        "all_gather",
-        prepare,
-        lambda x, group, d: kind.apply(x, group, d),
-        (lambda v, axes: v - axes) if invariant else (lambda v, axes: v | axes),
-    )
+    negated = _map(tree, "pardist.pmin", torch.neg)
+    return _map(pmax(negated, axis, axis_index_groups=axis_index_groups), "pardist.pmin", torch.neg)
 
 
 def pvary(tree: Any, axis: str | tuple[str, ...]) -> Any:
     """Mark every leaf as varying over ``axis``: the identity, whose transpose is ``psum``.
 
     pardist inserts it by itself wherever an invariant value meets a varying one
-    inside a tracked step. Call it yourself where a value varies in a way no
-    tensor operation shows: one sliced by the Python int :func:`axis_index`
-    returns (``w[:, i * k:(i + 1) * k]``) must be ``pvary``'d first. Outside a
-    tracked step every value already counts as varying, and this returns its
-    input.
+    inside a step, and before every collective that needs a varying input. Call it
+    yourself where the sum of the cotangents is what you mean without any operation
+    showing it. Outside a step every value already counts as varying, and this
+    returns its input.
 
     Example:
         >>> import pardist, torch
@@ -340,19 +321,79 @@ def _pvary(mode, tree: Any, axis) -> Any:
 
     def one(x: torch.Tensor) -> torch.Tensor:
         v = state.get(x)
-        if axes <= v:
-            return x
+        if axes <= _vma.grad_axes(v):
+            return state.set(x.view_as(x), _vma.vary(v, axes))
         with _vma.paused():
-            y = _lift(state, x, axes)
-            return state.set(y if y is not x else x.view_as(x), v | axes)
+            y = lift(state, x, axes)
+            return state.set(y if y is not x else x.view_as(x), _vma.vary(v, axes))
 
     return _map(tree, "pardist.pvary", one)
+
+
+def varying_axes(x: Any) -> tuple[str, ...]:
+    """The mesh axes ``x`` varies over inside the running step, in mesh order (JAX's
+    ``jax.typeof(x).vma``): ``()`` for a value that is the same on every rank, and
+    outside any step (where nothing is typed). Useful to see where a ``pmean`` is missing.
+
+    Example:
+        >>> import pardist, torch
+        >>> pardist.varying_axes(torch.ones(2))
+        ()
+    """
+    state = _vma.current()
+    if state is None:
+        return ()
+    if isinstance(x, AxisIndex):
+        return state.ordered(x.vma)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"pardist.varying_axes: x is a {type(x).__name__}; give a tensor.")
+    return state.ordered(_vma.value_axes(state.get(x)))
+
+
+class AxisIndex(int):
+    """This rank's index along an axis: an ``int`` that *varies* over the axis, as JAX's
+    ``axis_index`` (a varying int32) does. Integer arithmetic keeps the mark, and a
+    tensor operation that takes it (``w * (i + 1)``, ``x[i]``, ``w[:, i * k:(i + 1) * k]``,
+    ``torch.tensor(i)``) gives a value that varies over the axis, so its gradient has
+    JAX's ``psum``. ``vma``: the axes it varies over."""
+
+    vma: frozenset = frozenset()
+
+    def __new__(cls, value: int, vma: frozenset = frozenset()):
+        out = super().__new__(cls, value)
+        out.vma = vma
+        return out
+
+    def __reduce__(self):
+        return int, (int(self),)  # a plain int to whatever pickles it
+
+
+def _keeps_mark(name: str):
+    base = getattr(int, name)
+
+    def op(self, other):
+        out = base(self, other)
+        if type(out) is not int:
+            return out
+        vma = self.vma | other.vma if isinstance(other, AxisIndex) else self.vma
+        return AxisIndex(out, vma)
+
+    op.__name__ = name
+    return op
+
+
+for _name in ("add", "sub", "mul", "floordiv", "mod", "pow", "lshift", "rshift", "and", "or"):
+    for _side in ("__", "__r"):
+        setattr(AxisIndex, f"{_side}{_name}__", _keeps_mark(f"{_side}{_name}__"))
+AxisIndex.__neg__ = lambda self: AxisIndex(-int(self), self.vma)
+AxisIndex.__abs__ = lambda self: AxisIndex(abs(int(self)), self.vma)
 
 
 def axis_index(axis: str | tuple[str, ...]) -> int:
     """This rank's position along ``axis`` (row-major over a tuple of axes).
 
-    A Python int: values computed from it are not tracked as varying (see :func:`pvary`).
+    An :class:`AxisIndex`: an int that varies over ``axis``, so values computed from
+    it are typed as varying (JAX's ``axis_index``).
 
     Example:
         >>> import pardist
@@ -369,16 +410,43 @@ def axis_size(axis: str | tuple[str, ...]) -> int:
     return current_mode().run("axis_size", axis)
 
 
-Eager.register("axis_index")(lambda mode, axis: _mesh.current_mesh("axis_index").index(axis))
+@Eager.register("axis_index")
+def _axis_index(mode, axis) -> int:
+    mesh = _mesh.current_mesh("axis_index")
+    names = mesh.axes(axis, "axis_index")
+    return AxisIndex(mesh.index(axis), frozenset(n for n in names if mesh.shape[n] > 1))
+
+
 Eager.register("axis_size")(lambda mode, axis: _mesh.current_mesh("axis_size").size(axis))
-# A compiled step's rules: its graph's collectives, with the plan's static axes.
-Compiled.register("psum")(lambda mode, tree, axis: _traced.psum(tree, axis, mode.plan))
-Compiled.register("pmean")(lambda mode, tree, axis: _traced.pmean(tree, axis, mode.plan))
-Compiled.register("pmax")(lambda mode, tree, axis: _traced.pmax(tree, axis, mode.plan))
-Compiled.register("all_gather")(
-    lambda mode, tree, axis, dim, invariant: _traced.all_gather(
-        tree, axis, dim, mode.plan, invariant
-    )
-)
+
+
+# A compiled step's rules: its graph's collectives, with the plan's static axes; every
+# value counts as varying there (see pardist/compile).
+def _no_groups(name: str, groups) -> None:
+    if groups is not None:
+        raise NotImplementedError(
+            f"pardist.{name}(axis_index_groups=...) has no traceable form inside a compiled "
+            "step; pass compile=False (the step runs eagerly)"
+        )
+
+
+@Compiled.register("psum")
+def _psum_traced(mode, tree, axis, groups):
+    _no_groups("psum", groups)
+    return _traced.psum(tree, axis, mode.plan)
+
+
+@Compiled.register("pmean")
+def _pmean_traced(mode, tree, axis, groups):
+    _no_groups("pmean", groups)
+    return _traced.pmean(tree, axis, mode.plan)
+
+
+@Compiled.register("pmax")
+def _pmax_traced(mode, tree, axis, groups):
+    _no_groups("pmax", groups)
+    return _traced.pmax(tree, axis, mode.plan)
+
+
 Compiled.register("axis_index")(lambda mode, axis: _traced.axis_index(axis, mode.plan))
 Compiled.register("axis_size")(lambda mode, axis: _traced.axis_size(axis, mode.plan))

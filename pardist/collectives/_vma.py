@@ -1,21 +1,30 @@
 """Varying manual axes: which mesh axes each value of a step varies over (JAX's ``vma``).
 
-Inside a step whose mesh has axes other than its data axes (tensor parallelism,
-a bare ``shard_map``), the right backward rule of a collective depends on the
-types of values, not on their numbers. ``psum`` of a value that varies over
-'model' is *invariant* over 'model', and its transpose is the identity; a value
-invariant over 'model' that meets one varying over it is implicitly lifted
-(``pvary``: identity forward, ``psum`` backward). JAX tracks this set of axes
-per value (``check_vma``); pardist tracks it here, in a table from tensors to
-frozensets of axis names that lives only as long as the step: nothing is
-written on the caller's tensors.
+Every step on more than one process types its values as ``jax.shard_map`` does with
+``check_vma=True``: a batch shard varies over the data axes, a replicated input over
+none, an operation's result over the union of its operands', and each collective
+changes the set by its own rule (``psum`` of a value varying over 'gpu' is invariant
+over 'gpu'). The right transpose of a collective follows from these types, not from
+which combinator runs: ``psum`` of a varying value transposes to the identity, and an
+invariant value meeting a varying one is lifted (``pvary``: identity forward, ``psum``
+backward). pardist keeps the set per tensor in a table that lives as long as the step
+(nothing is written on the caller's tensors).
 
-Outside such a step nothing is tracked (``current()`` is None) and every
-collective treats every value as varying over every axis, whose transposes are
-the classic ones (``psum`` -> ``psum``). For a plain data-parallel step that is
-exact: with every value equal across the non-data axes, they compute the true
-gradient of the loss averaged over the data axes, whether the loss is per-rank
-or already ``pmean``'d.
+One mark more than JAX: inside :func:`pardist.grad` of a data-parallel step, the
+replicated inputs enter *lifted* over the data axes, as if ``pvary``'d once at the top
+of the differentiated function (their ``psum``, divided by the ranks, is the bucketed
+gradient mean). Their values are still the same on every rank, so a lifted axis is kept
+apart, as a one-tuple ``('gpu',)``: it counts as varying for the gradient (no second
+``pvary``, no second ``psum``) and as invariant for the value (a parameter's norm computed
+there may be returned under ``P()``). :func:`value_axes` and :func:`grad_axes` read the
+two sides; a set never holds an axis both ways.
+
+Outside any step nothing is typed (``current()`` is None) and every value counts as
+varying over every axis: each collective's result is lifted back at once (``pvary`` of
+it), so ``psum``'s transpose is ``psum`` (the gradient of the sum of every rank's
+objective, as ``torch.distributed.nn``'s collectives give). A compiled step types the
+same coarse way over its data axes (see ``pardist/compile``): for the gradient of the
+loss averaged over them the two typings give the same numbers.
 
 Axes of size 1 are never recorded: nothing can vary over them.
 """
@@ -28,25 +37,69 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from pardist.runtime import Mesh, functorch
+from pardist.runtime import Mesh, disable_torch_function, enable_torch_function, functorch
 
 __all__ = [
     "EMPTY",
     "Tracking",
     "current",
+    "drop",
     "enter_grad",
+    "grad_axes",
+    "in_grad",
+    "internal",
+    "invariant",
     "invariant_over_data",
+    "lift_marks",
     "lifted_over_data",
     "mean_over_data",
+    "normal",
     "paused",
     "seed",
     "seed_scale",
     "tracking",
     "typed_like",
+    "user",
+    "value_axes",
+    "vary",
 ]
 
-EMPTY: frozenset[str] = frozenset()
+EMPTY: frozenset = frozenset()
 _functorch = functorch
+
+
+def lift_marks(axes: Iterable[str]) -> frozenset:
+    """``axes`` as lifted marks: varying for the gradient, invariant in value."""
+    return frozenset((a,) for a in axes)
+
+
+def value_axes(v: frozenset) -> frozenset:
+    """The axes over which the value itself differs between ranks."""
+    return v if all(type(a) is str for a in v) else frozenset(a for a in v if type(a) is str)
+
+
+def grad_axes(v: frozenset) -> frozenset:
+    """The axes a cotangent of the value varies over (lifted ones included)."""
+    return (
+        v if all(type(a) is str for a in v) else frozenset(a if type(a) is str else a[0] for a in v)
+    )
+
+
+def normal(v: frozenset) -> frozenset:
+    """``v`` without the lifted marks of axes it varies over anyway."""
+    if all(type(a) is str for a in v):
+        return v
+    return frozenset(a for a in v if type(a) is str or a[0] not in v)
+
+
+def drop(v: frozenset, axes: frozenset) -> frozenset:
+    """``v`` made invariant over ``axes`` (a reduction over them): both marks go."""
+    return frozenset(a for a in v if (a if type(a) is str else a[0]) not in axes)
+
+
+def vary(v: frozenset, axes: frozenset) -> frozenset:
+    """``v`` made varying over ``axes`` (an all_gather, a permutation over them)."""
+    return normal(v | axes)
 
 
 class Tracking:
@@ -55,18 +108,29 @@ class Tracking:
     Args:
         mesh: the step's mesh.
         data: the step's data axes (empty for a bare ``shard_map``).
+        manual: the axes the step is manual over (``shard_map(axis_names=...)``; all
+            by default): collectives over any other axis are an error.
     """
 
-    def __init__(self, mesh: Mesh, data: Iterable[str] = ()):
+    def __init__(self, mesh: Mesh, data: Iterable[str] = (), manual: Iterable[str] | None = None):
         self.mesh = mesh
         self.live = frozenset(a for a, n in mesh.shape.items() if n > 1)
+        self.manual = None if manual is None else frozenset(manual)
+        if self.manual is not None:
+            self.live &= self.manual
         self.data = frozenset(data) & self.live
+        self.data_lifted = lift_marks(self.data)
+        self._known = self.live | self.data_lifted  # what a recorded set may hold
         self.paused = False  # inside pardist's own code: the mode leaves tensors alone
-        self.tags: dict[int, tuple[weakref.ref, frozenset[str]]] = {}  # id -> (tensor, axes)
+        self.grads = 0  # pardist.grad calls running (their functions differentiated)
+        # A gradient taken outside pardist.grad, or a lift a gradient will flow through
+        # there: the step needs the types for its numbers on every call.
+        self.outside_grads = False
+        self.tags: dict[int, tuple[weakref.ref, frozenset]] = {}  # id -> (tensor, axes)
         self._lifted: dict[tuple[int, frozenset[str]], tuple[torch.Tensor, torch.Tensor]] = {}
         self._groups: dict[frozenset[str], list] = {}
 
-    def get(self, t: torch.Tensor) -> frozenset[str]:
+    def get(self, t: torch.Tensor) -> frozenset:
         """The axes ``t`` varies over; untracked tensors (constants, closures) vary over none."""
         entry = self.tags.get(id(t))
         if entry is not None and entry[0]() is t:
@@ -75,12 +139,25 @@ class Tracking:
             return self.get(_functorch.get_unwrapped(t))
         return EMPTY
 
-    def set(self, t: torch.Tensor, vma: frozenset[str]) -> torch.Tensor:
+    def set(self, t: torch.Tensor, vma: frozenset) -> torch.Tensor:
         """Record that ``t`` varies over ``vma`` (axes of size 1 dropped); returns ``t``."""
-        vma = vma & self.live
-        if vma or id(t) in self.tags:
+        if vma and not vma <= self._known:
+            vma = frozenset(a for a in vma if (a if type(a) is str else a[0]) in self.live)
+        if vma:
             self.tags[id(t)] = (weakref.ref(t), vma)
+        elif id(t) in self.tags:  # varying over nothing: no entry (a lookup that misses)
+            del self.tags[id(t)]
         return t
+
+    def check(self, names: Iterable[str], where: str) -> None:
+        """An error where a collective names an axis the step is not manual over."""
+        if self.manual is not None and not set(names) <= self.manual:
+            extra = sorted(set(names) - self.manual)
+            raise ValueError(
+                f"{where}: axis {extra} is not one of the step's manual axes "
+                f"(axis_names={sorted(self.manual)}); name one of those, or add it to "
+                "axis_names."
+            )
 
     def ordered(self, axes: Iterable[str]) -> tuple[str, ...]:
         """``axes`` in mesh order (the order process groups are made in)."""
@@ -103,7 +180,7 @@ class Tracking:
         hit = self._lifted.get(key)
         if hit is not None and hit[0] is t:
             return hit[1]
-        out = self.set(lift(t), self.get(t) | axes)
+        out = self.set(lift(t), vary(self.get(t), axes))
         self._lifted[key] = (t, out)  # holding t keeps its id from being reused
         return out
 
@@ -122,7 +199,7 @@ def current() -> Tracking | None:
 
 @contextlib.contextmanager
 def tracking(state: Tracking | None) -> Iterator[Tracking | None]:
-    """Make ``state`` current (None: nothing tracked inside, e.g. a plain data-parallel step)."""
+    """Make ``state`` current (None: nothing tracked inside: one process, or outside steps)."""
     _active.append(state)
     try:
         yield state
@@ -146,15 +223,62 @@ def paused() -> Iterator[Tracking | None]:
         state.paused = False
 
 
-# pardist.grad's side of tracking. Inside a tracked step with data axes D, the
-# gradient of a replicated input is still averaged over D by the bucketed
-# reducer (pardist's convention: the gradient of the loss averaged over D), so
-# such inputs enter the differentiated function already varying over D, and no
-# pvary over D is inserted for them. What pardist.grad differentiates is then
-# pmean over D of the loss: a loss already invariant over some of D (pmean'd)
-# gets its backward seed multiplied by their sizes, which the reducer's mean
-# divides back out. Over the other axes JAX's rule holds: a loss that varies
-# over 'model' is summed over it.
+@contextlib.contextmanager
+def internal() -> Iterator[None]:
+    """Inside: pardist's own code (the gradient's plumbing, buckets, bookkeeping), which
+    types what it makes by hand. The tracking mode is switched off for it entirely
+    (``DisableTorchFunction``, in C: no cost per operation), so that only the user's own
+    operations pay for typing; :func:`user` switches it back on for the user's code
+    that pardist calls (the loss, a recomputed checkpoint)."""
+    state = current()
+    if state is None:
+        yield
+        return
+    paused, state.paused = state.paused, True
+    try:
+        with disable_torch_function():
+            yield
+    finally:
+        state.paused = paused
+
+
+@contextlib.contextmanager
+def user() -> Iterator[None]:
+    """Inside: the user's code, called from pardist's own (:func:`internal`): typed."""
+    state = current()
+    if state is None:
+        yield
+        return
+    paused, state.paused = state.paused, False
+    try:
+        with enable_torch_function():
+            yield
+    finally:
+        state.paused = paused
+
+
+@contextlib.contextmanager
+def in_grad() -> Iterator[None]:
+    """Inside: the function :func:`pardist.grad` differentiates (its inputs enter lifted)."""
+    state = current()
+    if state is None:
+        yield
+        return
+    state.grads += 1
+    try:
+        yield
+    finally:
+        state.grads -= 1
+
+
+# pardist.grad's side of tracking. Inside a step with data axes D, pardist.grad
+# differentiates the loss averaged over D, pmean_D(loss). Its replicated inputs enter
+# the differentiated function lifted over D (their psum is the bucketed reducer's,
+# divided by the ranks), so no pvary over D is inserted for them. A loss that varies
+# over D gets the backward seed one; a loss already invariant over some of D (pmean'd
+# or over an all_gather) gets the product of their sizes, which the reducer's mean
+# divides back out: the transpose of pmean_D on an invariant value. Over the other
+# axes JAX's rule holds: a loss that varies over 'model' is summed over it.
 
 
 def enter_grad(inputs: list, leaves: list, replicated: list[bool]) -> None:
@@ -163,16 +287,17 @@ def enter_grad(inputs: list, leaves: list, replicated: list[bool]) -> None:
     if state is None:
         return
     state.forget_lifts()  # a new forward pass: its lifts belong to its own graph
+    lifted = state.data_lifted
     for x, leaf, rep in zip(inputs, leaves, replicated):
-        state.set(x, state.get(leaf) | state.data if rep else state.get(leaf))
+        state.set(x, normal(state.get(leaf) | lifted) if rep else state.get(leaf))
 
 
 def seed_scale(value: torch.Tensor) -> int:
-    """The product of the sizes of the data axes that ``value`` is invariant over."""
+    """The product of the sizes of the data axes that ``value``'s gradient is invariant over."""
     state = current()
     scale = 1
     if state is not None:
-        for axis in state.data - state.get(value):
+        for axis in state.data - grad_axes(state.get(value)):
             scale *= state.mesh.shape[axis]
     return scale
 
@@ -184,15 +309,16 @@ def seed(value: torch.Tensor) -> torch.Tensor | None:
 
 
 def lifted_over_data(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``y``, the gradient-averaging identity of replicated ``x``, typed as varying over data."""
+    """``y``, the gradient-averaging identity of replicated ``x``, typed as lifted over data."""
     state = current()
-    return y if state is None else state.set(y, state.get(x) | state.data)
+    return y if state is None else state.set(y, normal(state.get(x) | state.data_lifted))
 
 
 def invariant_over_data(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the same on every rank of the step's data axes (untracked: assumed)."""
+    """Whether ``t``'s value is the same on every rank of the step's data axes (untracked:
+    assumed)."""
     state = current()
-    return state is None or not (state.get(t) & state.data)
+    return state is None or not (value_axes(state.get(t)) & state.data)
 
 
 def typed_like(results: list, leaves: list) -> list:
@@ -208,4 +334,15 @@ def typed_like(results: list, leaves: list) -> list:
 def mean_over_data(value: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
     """Type the loss averaged over the data axes: ``raw``'s axes less the data axes."""
     state = current()
-    return value if state is None else state.set(value, state.get(raw) - state.data)
+    return value if state is None else state.set(value, drop(state.get(raw), state.data))
+
+
+def invariant(tensors: Iterable[torch.Tensor], axes: Iterable[str] | None = None) -> None:
+    """Type ``tensors`` (means pardist computed over ``axes``, default the data axes) as
+    invariant over them."""
+    state = current()
+    if state is None:
+        return
+    over = state.data if axes is None else frozenset(axes)
+    for t in tensors:
+        state.set(t, drop(state.get(t), over))

@@ -19,8 +19,8 @@ from pardist import transport
 from pardist.compile import _beside, _guard, _layout
 from pardist.runtime import (
     TorchCompileInductorWrapper,
+    _compat,
     checkpoint_op,
-    dynamo,
     inductor_overlap_passes,
 )
 
@@ -54,7 +54,7 @@ def reason(e: BaseException) -> str:
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     head = lines[0] if lines else type(e).__name__
     cause = e.__cause__ or e.__context__
-    if isinstance(e, dynamo.exc.BackendCompilerFailed) and cause is not None:
+    if isinstance(e, _compat.dynamo.exc.BackendCompilerFailed) and cause is not None:
         return reason(cause)
     for line in lines:  # an error the step raised while traced: dynamo names it here
         if "raised exception " in line:
@@ -85,7 +85,8 @@ class Backend:
             overlap = {**early, **overlap_options(), **(options or {})}
             self.overlapping = TorchCompileInductorWrapper(mode, overlap, dynamic)
         else:
-            self.inner = dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+            lookup = _compat.dynamo.lookup_backend
+            self.inner = lookup(backend) if isinstance(backend, str) else backend
             self.overlapping = self.inner
             self.in_place = False  # the sums copied out of shared memory (copy_out)
         self.agreeing = False  # during a step's first call
@@ -100,7 +101,7 @@ class Backend:
                 _guard.copy_out(gm)
             inner = self.overlapping if _async_collectives(gm) else self.inner
             compiled, problem = inner(gm, example_inputs), None
-        except dynamo.exc.RestartAnalysis:
+        except _compat.dynamo.exc.RestartAnalysis:
             raise  # dynamo traces again and calls back: nothing to agree on yet
         except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
             compiled, problem, error = None, reason(e), e

@@ -41,14 +41,22 @@ from pardist.runtime import (
     CompiledLoss,
     Mode,
     StepContext,
+    _compat,
     _context,
     _tree,
-    dynamo,
     enable_saved_tensors_hooks,
     saved_tensors_hooks_enabled,
 )
 
-__all__ = ["EAGER", "AxisInfo", "CompiledStep", "Plan", "compiled_step", "outer_compile"]
+__all__ = [
+    "EAGER",
+    "AxisInfo",
+    "CompiledStep",
+    "Plan",
+    "compiled_step",
+    "constant_result",
+    "outer_compile",  # noqa: F822 (made on first use: the module's __getattr__)
+]
 
 EAGER = object()  # returned when the step must run eagerly
 _OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options")
@@ -106,10 +114,28 @@ def _own_code(f: types.FunctionType) -> types.FunctionType:
 MAX_SIGNATURES = 6
 
 
+_constants: list = []  # (module globals, name): functions a graph holds as constants
+
+
+def constant_result(fn: Callable) -> Callable:
+    """``fn``, to be ``torch.compiler.assume_constant_result`` in graphs: decorated when the
+    first step compiles (the decorator imports dynamo: not with pardist). Call it by its
+    module's global name, as a traced function does."""
+    _constants.append((fn.__globals__, fn.__name__))
+    return fn
+
+
+def _decorate_constants() -> None:
+    while _constants:
+        where, name = _constants.pop()
+        where[name] = torch.compiler.assume_constant_result(where[name])
+
+
 class CompiledStep:
     """The compiled form of one ``data_parallel`` step, with its eager fallback."""
 
     def __init__(self, options: dict, where: str):
+        _decorate_constants()
         unknown = set(options) - set(_OPTIONS)
         if unknown:
             raise TypeError(
@@ -186,7 +212,7 @@ class CompiledStep:
                     return self._run(step, plan, args, kwargs)
                 # Hyper-parameters read as Python floats (batch norm's momentum, eps) are
                 # constants: specialized now, dynamo need not trace twice to learn it.
-                with dynamo.config.patch(specialize_float=True):
+                with _compat.dynamo.config.patch(specialize_float=True):
                     return self._run(step, plan, args, kwargs)
         except Exception as e:
             _beside.abandon()  # sums it started and never waited for
@@ -258,7 +284,7 @@ class CompiledStep:
         if self.dynamic:
             for i in sharded:
                 if _batched(leaves[i]):
-                    dynamo.maybe_mark_dynamic(leaves[i], 0)
+                    _compat.dynamo.maybe_mark_dynamic(leaves[i], 0)
         return False
 
     def _shapes(self) -> str:
@@ -298,7 +324,7 @@ def quiet_loggers():
         + ("log", "warning_once", "info_once", "warning_advice")
         if callable(getattr(logging.Logger, name, None))
     }
-    return dynamo.config.patch(ignore_logger_methods=methods)
+    return _compat.dynamo.config.patch(ignore_logger_methods=methods)
 
 
 def _batched(x: Any) -> bool:
@@ -341,8 +367,7 @@ def compiled_step(compile: bool | dict, where: str) -> CompiledStep | None:  # n
     )
 
 
-@dynamo.disable(reason="pardist.data_parallel compiles its step itself (compile=True)")
-def outer_compile(step: Any, args: tuple, kwargs: dict) -> Any:
+def _outer_compile(step: Any, args: tuple, kwargs: dict) -> Any:
     """``torch.compile(data_parallel(step))``: compile the step the way compile=True does.
 
     Dynamo cannot trace data_parallel's bookkeeping (the first call's checks are
@@ -352,3 +377,15 @@ def outer_compile(step: Any, args: tuple, kwargs: dict) -> Any:
     if step.compiled is None:
         step.compiled = CompiledStep({}, step.where)
     return step(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    """``outer_compile``, made disabled for dynamo where dynamo first asks for it (it traces
+    ``data_parallel``'s ``__call__`` then, and is imported: not with pardist)."""
+    if name == "outer_compile":
+        disabled = _compat.dynamo.disable(
+            _outer_compile, reason="pardist.data_parallel compiles its step itself (compile=True)"
+        )
+        globals()["outer_compile"] = disabled
+        return disabled
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

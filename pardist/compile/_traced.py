@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pardist.compile import _beside, _ops  # noqa: F401  (they register torch.ops.pardist)
+from pardist.compile import _beside, _ops, _step  # noqa: F401  (_ops, _beside: torch.ops.pardist)
 from pardist.runtime import _tree, funcol
-from pardist.transport import AllGather, AllGatherInvariant, Pmax, Psum, Pvary, assign
+from pardist.transport import TRACED, assign
 
 __all__ = [
     "all_gather",
@@ -76,7 +76,7 @@ def _all_reduce(x: torch.Tensor, links: tuple, op: str) -> torch.Tensor:
 
 def _psum(x: torch.Tensor, info: Any) -> torch.Tensor:
     """The eager ``Psum`` (its transpose: itself), over the graph's transport."""
-    return Psum.apply(x, tuple(zip(info.groups, info.shm)), _all_reduce)
+    return TRACED.Psum.apply(x, tuple(zip(info.groups, info.shm)), _all_reduce)
 
 
 def _gather(x: torch.Tensor, group: str, shm: bool, size: int, dim: int) -> torch.Tensor:
@@ -113,13 +113,18 @@ class _Link:
         return x.narrow(dim, self.index * block, block)
 
 
-def _coalesced(tree: Any, where: str, fn) -> Any:
-    """``fn`` once per dtype over the concatenated leaves (as the eager collectives)."""
-    leaves = _tree.check_tensor_leaves(tree, where=where, name="tree")
-    spec = _tree.tree_flatten(tree)[1]
+def _coalesced(tree: Any, where: str, fn, number=None) -> Any:
+    """``fn`` once per dtype over the concatenated leaves (as the eager collectives);
+    ``number(x)`` for a Python number."""
+    leaves, spec = _tree.tree_flatten(tree)
     out: list = [None] * len(leaves)
     kinds: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
+        if type(leaf) in (int, float, bool) and number is not None:
+            out[i] = number(leaf)
+            continue
+        if not isinstance(leaf, torch.Tensor):
+            _tree.check_tensor_leaves(tree, where=where, name="tree")  # names the leaf
         kinds.setdefault((leaf.dtype, leaf.device), []).append(i)
     for index in kinds.values():
         if len(index) == 1:
@@ -131,35 +136,47 @@ def _coalesced(tree: Any, where: str, fn) -> Any:
     return _tree.tree_unflatten(out, spec)
 
 
+# Every value of a compiled step counts as varying over its data axes (see _vma): each
+# result is lifted back at once, which gives psum (and pmean) Psum, whose transpose is
+# itself, pmax the sum of every rank's cotangent, and all_gather (invariant or not)
+# all_gather's transpose. For the gradient of the loss averaged over the data axes
+# (pardist.grad) that is the typed step's numbers.
+def _integral(x):
+    return int(x) if type(x) is bool else x
+
+
 def psum(tree: Any, axis: Any, plan: Any) -> Any:
     info = axis_info(plan, axis, "psum")
     if not info.groups:
-        return _tree.tree_map(lambda x: x, tree)
-    return _coalesced(tree, "pardist.psum", lambda x: _psum(x, info))
+        return _coalesced(tree, "pardist.psum", lambda x: x, _integral)
+    size = info.size
+    number = lambda x: _integral(x) * size  # noqa: E731
+    return _coalesced(tree, "pardist.psum", lambda x: _psum(x, info), number)
 
 
 def pmean(tree: Any, axis: Any, plan: Any) -> Any:
     info = axis_info(plan, axis, "pmean")
     if not info.groups:
-        return _tree.tree_map(lambda x: x, tree)
-    return _coalesced(tree, "pardist.pmean", lambda x: _psum(x, info) / info.size)
+        return _coalesced(tree, "pardist.pmean", lambda x: x, float)
+    return _coalesced(tree, "pardist.pmean", lambda x: _psum(x, info) / info.size, float)
 
 
 def pmax(tree: Any, axis: Any, plan: Any) -> Any:
     info = axis_info(plan, axis, "pmax")
     if not info.groups:
-        return _tree.tree_map(lambda x: x, tree)
-    links = tuple(zip(info.groups, info.shm))  # every cotangent counts (nothing is tracked)
-    return _coalesced(tree, "pardist.pmax", lambda x: Pmax.apply(x, links, _all_reduce, False))
+        return _coalesced(tree, "pardist.pmax", lambda x: x, lambda x: x)
+    links = tuple(zip(info.groups, info.shm))
+    fn = lambda x: TRACED.Pmax.apply(x, links, _all_reduce, False)  # noqa: E731
+    return _coalesced(tree, "pardist.pmax", fn, lambda x: x)
 
 
-def all_gather(tree: Any, axis: Any, dim: int, plan: Any, invariant: bool = False) -> Any:
+def all_gather(tree: Any, axis: Any, dim: int, plan: Any) -> Any:
     info = axis_info(plan, axis, "all_gather")
     leaves = _tree.check_tensor_leaves(tree, where="pardist.all_gather", name="tree")
     if info.size == 1:
         return _tree.tree_map(lambda x: x, tree)
     link = _Link(info.group, info.gather_shm, info.size, info.index)
-    kind = AllGatherInvariant if invariant else AllGather
+    kind = TRACED.AllGather
     out = []
     for x in leaves:
         if x.ndim == 0:
@@ -191,7 +208,7 @@ def _buckets(like: list[torch.Tensor], plan: Any) -> tuple[tuple[int, ...], ...]
     return _slots(kinds, plan.bucket_bytes, plan.first_bucket_bytes)
 
 
-@torch.compiler.assume_constant_result  # worked out once, as the graph is traced
+@_step.constant_result  # worked out once, as the graph is traced
 def _slots(kinds: tuple, bucket_bytes: int, first_bucket_bytes: int) -> tuple:
     like = [_Like(*kind) for kind in kinds]
     buckets, _ = assign(like, _numel, 1, None, bucket_bytes, first_bucket_bytes)
@@ -310,8 +327,10 @@ def fsdp_gather(shards: list[torch.Tensor], numels: list[int], plan: Any) -> lis
         info.group or "", info.gather_shm, size, info.index, float(plan.size), replicas
     )
     if size == 1:  # (HSDP over an FSDP axis of size 1: the replicas' mean only)
-        return list(Pvary.apply(row, (float(plan.size), replicas), _divided_sum).split(chunks))
-    block = AllGather.apply(row, link, 0).view(size, -1)
+        return list(
+            TRACED.Pvary.apply(row, (float(plan.size), replicas), _divided_sum).split(chunks)
+        )
+    block = TRACED.AllGather.apply(row, link, 0).view(size, -1)
     return [part.reshape(-1)[:n] for part, n in zip(block.split(chunks, dim=1), numels)]
 
 

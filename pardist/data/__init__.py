@@ -7,6 +7,7 @@ for exact evaluation lives here too (``pardist.gather``). May import
 """
 
 from pardist.data._gather import gather, gather_object
+from pardist.data._groups import MicroBatches, micro_batches
 from pardist.data._loader import (
     Even,
     ShardedLoader,
@@ -19,11 +20,13 @@ from pardist.data._loader import (
 
 __all__ = [
     "Even",
+    "MicroBatches",
     "ShardedLoader",
     "check_even",
     "even",
     "gather",
     "gather_object",
+    "micro_batches",
     "shard",
     "skip_first_batches",
     "untar",

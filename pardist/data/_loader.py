@@ -131,6 +131,7 @@ class ShardedLoader:
                 self.samples // batch_size if self.drop_last else -(-self.samples // batch_size)
             )
         self.epoch = 0
+        self.epoch_known = False  # set_epoch, load_state_dict or a pass told us the epoch
         self._current, self._position = -1, 0  # the pass under way, its batches handed out
         self._skip: tuple[int, int] | None = None  # (epoch, batches) to resume from
         self._check = check
@@ -173,11 +174,13 @@ class ShardedLoader:
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next pass (as ``DistributedSampler``).
 
-        Without it, each pass uses the next epoch number. Call it on every rank.
+        Without it, each pass uses the next epoch number: a new order every pass, as
+        Accelerate's loaders give (the first pass of a process is epoch 0's). Call it on
+        every rank, and before resuming part-way through an epoch in a new process.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise TypeError(f"{_WHERE}: set_epoch({epoch!r}); an epoch is an int >= 0.")
-        self.epoch = epoch
+        self.epoch, self.epoch_known = epoch, True
 
     def _order(self, epoch: int, share: bool) -> torch.Tensor:
         """The whole epoch's order of dataset indices, the same on every rank."""
@@ -237,7 +240,7 @@ class ShardedLoader:
         # A generator: nothing happens until the first batch is asked for, so an
         # iterator made and dropped (as some wrappers do) neither takes an epoch nor
         # calls a collective.
-        epoch, self.epoch = self.epoch, self.epoch + 1
+        epoch, self.epoch, self.epoch_known = self.epoch, self.epoch + 1, True
         skip = self._skip[1] if self._skip and self._skip[0] == epoch else 0
         self._skip = None
         share = self._check and _process.is_initialized() and dist.get_world_size() > 1

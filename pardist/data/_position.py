@@ -81,7 +81,7 @@ def load(loader: Any, saved: dict) -> None:
                 f"{saved['world_size']} (this is {loader.world_size}). Shard with "
                 "split_batches=True (a global batch size) to resume at any world size."
             )
-    loader.epoch = epoch
+    loader.epoch, loader.epoch_known = epoch, True
     loader._skip = (epoch, done) if done else None
     loader._current, loader._position = -1, 0
 
@@ -101,8 +101,18 @@ class _Skipping:
         return len(self.loader) - self.n
 
     def __iter__(self) -> Iterator:
-        self.loader._skip = (self.loader.epoch, self.n)
-        return iter(self.loader)
+        loader = self.loader
+        if self.n and loader.shuffle and not loader.epoch_known:
+            raise ValueError(
+                "pardist.data.skip_first_batches: the loader shuffles, and this process has "
+                "neither set its epoch nor loaded its position, so the rest of the pass would "
+                "be read in epoch 0's order, not in the order of the epoch your loop resumes. "
+                "Call loader.set_epoch(epoch) first, with the epoch the loop is in (Accelerate's "
+                "recipe: starting_epoch = resume_step // len(loader); 0 too), or keep the loader "
+                "in the checkpoint's tree: its position resumes by itself."
+            )
+        loader._skip = (loader.epoch, self.n)
+        return iter(loader)
 
 
 def skip_first_batches(loader: Any, num_batches: int = 0) -> Any:

@@ -113,8 +113,8 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     positions = itertools.compress(itertools.count(), replicated)
     rep_index = dict(zip(positions, itertools.count())) if reduction.buckets else {}
     divisor = None
-    if call.mean == "rows" and ctx.size > 1 and rep:
-        divisor = _rows_divisor(ctx, rep, call.rows, exact=reduction.scatter)
+    if call.mean == "rows" and ctx.size > 1:  # (no buckets to carry the counts: agreed now)
+        divisor = _rows_divisor(ctx, rep, call.rows, exact=reduction.scatter or not rep)
     # One pass with an all-reduce: the reducer is made after the forward, so that the
     # statistics the forward left to average (batch norm with sync_bn=False) ride in
     # the gradient buckets instead of costing a collective of their own.
@@ -128,17 +128,22 @@ def compute(call: Call, ctx: StepContext, leaves: list) -> tuple[torch.Tensor, A
     if call.listed is not None:  # ranks with more micro-batches than others: no collective
         ctx.call.uneven = _lists.agree(call.listed, ctx, call.where)
     try:
-        _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, auxes)
+        with _vma.in_grad():
+            _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, auxes)
     finally:
         ctx.call.uneven = None
     reduced = hand.reducer.finish() if hand.reducer is not None else []
-    for m, t in enumerate(hand.pending):
-        t.copy_(reduced[1 + m])  # the averaged statistics, into the tensors apply returned
+    with _vma.paused():
+        for m, t in enumerate(hand.pending):
+            t.copy_(reduced[1 + m])  # the averaged statistics, into the tensors apply returned
+    _vma.invariant(hand.pending)
     value, counts = _value(call, ctx, hand, reduced, values)
     if value is not values[0]:
         _vma.mean_over_data(value, values[0])  # the loss averaged over the data axes
     factor = _correction(ctx, hand, counts)
     grads = call.combine(local, parts, leaves, replicated if hand.reducer is not None else None)
+    if ctx.size > 1:  # the batch's gradients: those of the loss averaged over the data axes
+        grads = sharded_mean(grads, leaves, replicated, ctx.size / factor)
     for i, t in enumerate(leaves) if hand.reducer is not None else ():
         if replicated[i]:
             g = reduced[hand.base + hand.rep_index[i]]
@@ -168,7 +173,7 @@ def _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, aux
             inputs = list(map(_requires_grad_, map(torch.Tensor.detach, diff)))  # (in C)
         _vma.enter_grad(inputs, leaves, replicated)
         mark = len(ctx.call.pending_means)
-        with torch.enable_grad():
+        with torch.enable_grad(), _vma.user():
             out = call.f(*call.with_inputs(margs, inputs), **call.kwargs)
         value, aux = split_value(out, call.has_aux, call.where)
         if reduction.late:
@@ -200,8 +205,8 @@ def _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, aux
                 seed = (torch.ones_like(value) if seed is None else seed) * weight
             seed = call.seed(j, value, seed)  # a list's micro-batch: its own weight
             got = torch.autograd.grad(value, inputs, seed, allow_unused=True)
-            if hand.reducer is None and divisor is None and k == 1:
-                local[:] = got  # one pass, nothing to bucket or weigh: as autograd gave
+            if hand.reducer is None and k == 1:
+                local[:] = got  # one pass, nothing to bucket: as autograd gave (seed weighed)
                 got = ()
             for i, g in enumerate(got):
                 if g is None:
@@ -210,8 +215,6 @@ def _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, aux
                     if not hooked:
                         after.append((rep_index[i], g))
                     continue
-                if divisor is not None and weight:  # a rank's own gradients: unweighted
-                    g = g / weight
                 if call.split[i] and k > 1:
                     parts[i][j] = g
                 else:
@@ -225,6 +228,18 @@ def _micro_batches(call, ctx, hand, reduction, leaves, local, parts, values, aux
             gone = {id(x) for x in _tree.tree_leaves(aux)}
             ctx.call.pending_means[:] = [t for t in ctx.call.pending_means if id(t) not in gone]
         auxes.append(aux)
+
+
+def sharded_mean(grads: list, leaves: list, replicated: list, size: int) -> list:
+    """The gradients of the leaves that vary over the data axes (the batch, activations),
+    divided by the ranks: with the replicated ones' mean, the gradient of the loss averaged
+    over the data axes, so that every argument's is one process's on the global batch.
+    (A row-weighted mean's weights are in the backward's seed; ``pardist.fsdp`` shards are
+    reduce-scattered as means already.)"""
+    return [
+        g / size if g is not None and not rep and not isinstance(t, DTensor) else g
+        for g, t, rep in zip(grads, leaves, replicated)
+    ]
 
 
 def compute_local(call: Call, leaves: list) -> tuple[torch.Tensor, Any, list]:

@@ -133,8 +133,8 @@ def _compute(call: Call, ctx: StepContext, leaves: list, n: int):
     out = [None] * len(leaves)
     by_dtype: dict = {}
     for i, t in enumerate(leaves):
-        if call.split[i]:  # a batch input's gradient: its groups' in order, over n
-            out[i] = torch.cat([g[i] for g in per_group]) / (n if counts is None else divisor)
+        if call.split[i]:  # a batch input's gradient: its groups' in order, over all G
+            out[i] = torch.cat([g[i] for g in per_group]) / (groups if counts is None else divisor)
         else:
             by_dtype.setdefault((t.dtype, t.device), []).append(i)
     if ctx.size == 1:  # every group here: fold each gradient in place, no copies

@@ -1,7 +1,8 @@
 """``pardist.grad`` and ``pardist.value_and_grad``: torch.func's, plus the gradient mean.
 
-Inside a data-parallel step the gradient with respect to a replicated input is
-averaged over the step's axis: the gradient of the global-batch loss. That is the
+Inside a data-parallel step the gradient is that of the loss averaged over the step's
+axis, for every argument: a replicated input's is the mean of the ranks' gradients, a
+sharded input's its local gradient over the ranks. The replicated inputs' mean is the
 transpose of replication (identity forward, mean backward), so it must happen
 *inside* the function being differentiated; applied to a step's inputs outside
 the transform, the backward would never run. In the common case (not nested in
@@ -249,10 +250,11 @@ def grad(
 ) -> Callable:
     """The gradient of ``f`` with respect to ``args[argnums]``, as ``torch.func.grad``.
 
-    Inside a :func:`pardist.data_parallel` step, the gradient with respect to a
-    replicated input is its mean over the step's axis (computed in buckets while
-    the backward runs); inputs sharded over the axis keep their local gradient.
-    Outside a step it is exactly ``torch.func.grad``.
+    Inside a :func:`pardist.data_parallel` step, the gradient of ``f`` averaged over
+    the step's axis (JAX's ``grad`` of the ``pmean``'d loss), for every argument: a
+    replicated input's is the mean of the ranks' gradients (computed in buckets while
+    the backward runs), a sharded input's (the batch) its slice of one process's
+    gradient on the global batch. Outside a step it is exactly ``torch.func.grad``.
 
     Args:
         f: a function returning a scalar tensor (and aux, with ``has_aux``).
@@ -321,7 +323,8 @@ def grad(
             if has_aux:
                 return _nested.laid_out_like_args(out[0], args, argnums), out[1]
             return _nested.laid_out_like_args(out, args, argnums)
-        _, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
+        with _vma.internal():  # pardist's own plumbing: untyped, by hand (f: typed)
+            _, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return (grads, aux) if has_aux else grads
 
     return grad_f
@@ -360,7 +363,8 @@ def value_and_grad(
         if _torch_func(options, args, argnums):
             grads, out = torch.func.grad_and_value(f, argnums, has_aux)(*args, **kwargs)
             return out, _nested.laid_out_like_args(grads, args, argnums)
-        value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
+        with _vma.internal():  # pardist's own plumbing: untyped, by hand (f: typed)
+            value, aux, grads = _compute(f, argnums, has_aux, options, args, kwargs, where)
         return ((value, aux) if has_aux else value), grads
 
     return value_and_grad_f

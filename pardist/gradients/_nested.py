@@ -54,6 +54,10 @@ class _MeanGrad(torch.autograd.Function):
         return plain, None, None, None
 
     @staticmethod
+    def jvp(ctx, tangent, *_):
+        return tangent  # identity forward: the tangent as it is
+
+    @staticmethod
     def vmap(info, in_dims, x, groups, size, divisor):
         return _MeanGrad.apply(x, groups, size, divisor), in_dims[0]
 
@@ -122,7 +126,8 @@ def compute(call: Call, ctx, leaves: list):
                     args[n],
                     marks[n],
                 )
-        out = call.f(*args, **call.kwargs)
+        with _vma.user():
+            out = call.f(*args, **call.kwargs)
         # pardist's error for a non-scalar; the seed, once the loss's type is known
         scale[0] = _vma.seed_scale(_bucketed.split_value(out, call.has_aux, call.where)[0])
         return out
@@ -130,7 +135,8 @@ def compute(call: Call, ctx, leaves: list):
     nums = call.nums if len(call.nums) > 1 else call.nums[0]
     values, auxes, grads = [], [], []
     for j, margs, _ in call.micro_batches():
-        g, out = torch.func.grad_and_value(marked, argnums=nums, has_aux=call.has_aux)(*margs)
+        with _vma.in_grad():
+            g, out = torch.func.grad_and_value(marked, argnums=nums, has_aux=call.has_aux)(*margs)
         if scale[0] != 1:
             g = _tree.tree_map(lambda t: t * scale[0], g)
         value, aux = out if call.has_aux else (out, None)
@@ -152,4 +158,8 @@ def compute(call: Call, ctx, leaves: list):
         value = plain + (weighted - plain).detach()
     elif groups and call.need_value:
         value = _collectives.psum_groups(value, groups) / ctx.size
-    return value, call.aux(auxes), _vma.typed_like(call.combine(local, parts, leaves), leaves)
+    grads = call.combine(local, parts, leaves)
+    if groups:  # the batch's gradients: weighed as the ranks' (1 / size, or rows / total)
+        by = divisor if divisor is not None else ctx.size
+        grads = _bucketed.sharded_mean(grads, leaves, call.replicated, by)
+    return value, call.aux(auxes), _vma.typed_like(grads, leaves)

@@ -12,8 +12,8 @@ gives the gradient of
 which equals one process on the concatenated batch with ``ignore_index``. The
 gradient paths compute that of the plain sums, averaged as ever (over ranks and
 micro-batches); one small all-reduce adds the counts, and each gradient is then
-weighed by (ranks x micro-batches) / count where it was averaged over the ranks,
-micro-batches / count where it is this rank's own, and 1 / count for a batch input.
+weighed by (ranks x micro-batches) / count: every path averages every argument's
+gradient over both (the batch's as the replicated ones').
 A rank without tokens adds nothing; a global batch without any is an error.
 """
 
@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from pardist.collectives import _collectives
 from pardist.runtime import StepContext, assert_async, functorch, tracing
@@ -114,16 +113,9 @@ def weigh(value, grads: list, leaves: list, call: Any, ctx: StepContext | None, 
     k = 1 if call.listed is not None else call.accumulate
     size = ctx.size if ctx is not None else 1
     means = size * k / total  # averaged over ranks and micro-batches: undone, then / count
-    out = []
-    for g, t, split, rep in zip(grads, leaves, call.split, call.replicated):
-        if g is None:
-            out.append(g)
-        elif rep or isinstance(t, DTensor):
-            out.append(g * means)
-        elif split and k > 1:
-            out.append(g / total)  # each micro-batch's own rows: not averaged
-        else:
-            out.append(g * (k / total))
+    # Every gradient path gives every argument's gradient averaged over the ranks and
+    # micro-batches (the batch's too: its own over the ranks, split ones over k).
+    out = [g if g is None else g * means for g in grads]
     return (value * means).to(value.dtype), out
 
 

@@ -53,7 +53,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     # (indices by range, not enumerate: dynamo runs half the bytecodes; see compute's loop)
     fsdp = [i for i in range(len(leaves)) if isinstance(leaves[i], DTensor)]
     places = _shard_places(call, fsdp, plan)
-    reduce = ctx.size > 1 and (any(replicated) or bool(fsdp))
+    reduce = ctx.size > 1
 
     counting = call.counts is not None  # mean='tokens': f's aux ends with its token count
     has_aux = call.has_aux or counting
@@ -102,6 +102,11 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     for i in rep:
         if summed[i] is not None:
             grads[i] = summed[i]
+    # The batch's gradients, weighed as the ranks' objectives (a row-weighted mean: below).
+    sharded = [i for i in range(len(leaves)) if not replicated[i] and i not in fsdp]
+    if reduce and call.mean != "rows":
+        for i in sharded:
+            grads[i] = grads[i] / ctx.size
     aux = call.aux(auxes)
     mine = torch.stack(values).mean() if k > 1 else values[0]
     if not reduce:
@@ -109,7 +114,7 @@ def compute(mode, call: Any, ctx: StepContext, leaves: list) -> tuple[torch.Tens
     need = call.need_value
     rows_value = None
     if call.mean == "rows":  # each rank weighs by its rows: one small all-reduce of two
-        rows_value = _weigh_rows(grads, rep, mine, call.rows, ctx, plan)
+        rows_value = _weigh_rows(grads, rep, sharded, mine, call.rows, ctx, plan)
         need = False  # the value is the row-weighted mean, not the ranks' table
     # The loss table rides in the first bucket unless it would be compressed there.
     alone = need and (scatter or plan.compression is not None or not rep)
@@ -172,15 +177,19 @@ def _swap(args: tuple, places: dict, fn) -> tuple:
     return tuple(out)
 
 
-def _weigh_rows(grads: list, rep: list, mine: torch.Tensor, rows, ctx, plan) -> torch.Tensor:
+def _weigh_rows(grads: list, rep: list, sharded: list, mine, rows, ctx, plan) -> torch.Tensor:
     """``mean='rows'``: each replicated gradient weighed by the rank's rows over the mean
     rows per rank (the mean over ranks then weighs every row of the global batch alike),
-    as the eager step weighs its seed; the row-weighted global loss. A rank without rows
-    adds nothing (its mean over no rows is not a number)."""
+    as the eager step weighs its seed, and each of the batch's by the rank's rows over all;
+    the row-weighted global loss. A rank without rows adds nothing (its mean over no rows
+    is not a number)."""
     r = torch.zeros((), dtype=torch.float64, device=mine.device) + rows
     used = mine.double() * r if rows else torch.zeros_like(r)
     total, summed = _traced.psum(torch.stack([r, used]), plan.axis_key, plan).unbind()
     for i in rep:
         g = grads[i]
         grads[i] = g * (ctx.size * r / total).to(g.dtype) if rows else torch.zeros_like(g)
+    for i in sharded:
+        g = grads[i]
+        grads[i] = g * (r / total).to(g.dtype) if rows else torch.zeros_like(g)
     return (summed / total).to(mine.dtype)

@@ -38,6 +38,7 @@ agent. What pardist adds, and why:
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -214,6 +215,14 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
     # How long workers wait for each other to start (imports on a loaded machine take long;
     # a lost node is the agents' to detect, within --join-timeout).
     env["PARDIST_JOIN_TIMEOUT"] = str(max(args.join_timeout, WORKER_JOIN_S))
+    # The workers' store keys behind a secret of this run (runtime._join.secret_keys): drawn
+    # here on one machine; on several, each node's launcher must be given the same one.
+    from pardist.runtime import _join
+
+    if os.environ.get(_join.SECRET):
+        env[_join.SECRET] = os.environ[_join.SECRET]
+    elif max_nodes == 1:
+        env[_join.SECRET] = secrets.token_hex(16)
     return args, env
 
 

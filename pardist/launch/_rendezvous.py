@@ -44,6 +44,11 @@ def _c10d(params):
                 ) from exc
     if store is None:
         store = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+    # The agents' keys behind the run's secret, as the workers' (runtime._join.secret_keys);
+    # the workers do not share this store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE).
+    from pardist.runtime import _join
+
+    store = _join.secret_keys(store)
 
     class Backend(C10dRendezvousBackend):
         name = property(lambda self: NAMES["c10d"])  # what the registry checks

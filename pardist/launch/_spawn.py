@@ -21,6 +21,7 @@ import multiprocessing
 import multiprocessing.connection as mpc
 import os
 import pickle
+import secrets
 import sys
 import time
 import traceback
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pardist.runtime import _listen
+from pardist.runtime import _join, _listen
 from pardist.transport import _segments
 
 __all__ = ["SpawnError", "Workers", "spawn"]
@@ -210,6 +211,8 @@ class Workers:
         # parent that used them before the fork (its first parallel region would hang).
         threads = 1 if method == "fork" else max(1, (os.cpu_count() or 1) // nprocs)
         self._conns, self._procs = [], []
+        # The run's store secret (runtime._join.secret_keys): the same for every rank.
+        secret = {_join.SECRET: os.environ.get(_join.SECRET) or secrets.token_hex(16)}
         for rank in range(nprocs):
             parent, child = ctx.Pipe()
             # Not daemonic, so that the function may start processes of its own
@@ -217,7 +220,7 @@ class Workers:
             proc = ctx.Process(
                 target=_worker,
                 name=f"pardist-rank{rank}",
-                args=(rank, nprocs, child, dict(env or {}), threads),
+                args=(rank, nprocs, child, {**secret, **(env or {})}, threads),
             )
             with _hash_seed(None if hash_seeds is None else hash_seeds[rank]):
                 proc.start()  # (a spawned interpreter reads its seed from the environment)

@@ -4,7 +4,7 @@ May import ``pardist.runtime``, ``pardist.collectives`` and ``pardist.sharding``
 """
 
 from pardist.nn._convert import CrossReplicaBatchNorm, convert_batchnorm
-from pardist.nn._export import state_dict
+from pardist.nn._export import state_dict, unwrapped
 from pardist.nn._functional import functional
 from pardist.nn._remat import Remat, remat
 
@@ -15,4 +15,5 @@ __all__ = [
     "functional",
     "remat",
     "state_dict",
+    "unwrapped",
 ]

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from pardist.sharding import _fsdp
 
-__all__ = ["state_dict"]
+__all__ = ["state_dict", "unwrapped"]
 
 
 def state_dict(
@@ -24,6 +24,7 @@ def state_dict(
     module: nn.Module | None = None,
     *,
     rank0_only: bool = False,
+    prefix: str = "",
 ) -> dict[str, torch.Tensor]:
     """A full ``state_dict`` of ``params`` and ``buffers`` that loads with ``strict=True``.
 
@@ -37,6 +38,10 @@ def state_dict(
             ``state_dict`` has them; a key the module has and the params lack raises.
         rank0_only: return the tensors on rank 0 and ``{}`` elsewhere (the gather still
             runs on every rank).
+        prefix: put before every key, as the original script's wrapped model has them:
+            ``'module.'`` for a DDP model's ``state_dict()``, ``'_orig_mod.'`` for a
+            ``torch.compile``'d one's (``'_orig_mod.module.'``, DDP's of a compiled model),
+            so that the DDP script's own ``model.load_state_dict`` reads the file.
 
     Returns:
         New tensors (never the params' own memory), detached, on the params' devices.
@@ -77,6 +82,35 @@ def state_dict(
         out = _keyed_like(out, module, where)
     if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
         return {}
+    return {prefix + k: v for k, v in out.items()} if prefix else out
+
+
+# What wrapping a module puts before its keys: DDP (and DataParallel) 'module.',
+# torch.compile '_orig_mod.' (either around the other, or both).
+_WRAPPERS = ("module.", "_orig_mod.")
+
+
+def unwrapped(state: dict) -> dict:
+    """``state`` (a ``state_dict``) without the prefixes that DDP (``module.``) and
+    ``torch.compile`` (``_orig_mod.``) put before every key, so that a DDP script's
+    checkpoint loads into the plain module: ``model.load_state_dict(pardist.unwrapped(
+    torch.load(path)['model']))``. Keys without them are left as they are.
+
+    Example:
+        >>> import pardist, torch
+        >>> sorted(pardist.unwrapped({'module._orig_mod.w': torch.ones(1)}))
+        ['w']
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"pardist.unwrapped: state is a {type(state).__name__}; a state_dict.")
+    out = dict(state)
+    while out:
+        for wrapper in _WRAPPERS:
+            if all(isinstance(k, str) and k.startswith(wrapper) for k in out):
+                out = {k[len(wrapper) :]: v for k, v in out.items()}
+                break
+        else:
+            return out
     return out
 
 

@@ -35,6 +35,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from pardist.collectives import _vma
 from pardist.runtime import (
     _lockstep,
     _tree,
@@ -296,7 +297,7 @@ class Rerun:
         calls.append((slots, self.params, self.buffers, self.enter))
         _local.recomputing = getattr(_local, "recomputing", 0) + 1
         try:
-            with self.enter(), _lockstep.switching(slots.installed, slots.install):
+            with self.enter(), _lockstep.switching(slots.installed, slots.install), _vma.user():
                 yield
         finally:
             _local.recomputing -= 1

@@ -19,7 +19,7 @@ from pardist.optim._schedules import (
 )
 from pardist.optim._sgd import SGDState, sgd
 from pardist.optim._sharded import ShardedState, sharded
-from pardist.optim._torch import from_torch, state_from_torch, state_to_torch
+from pardist.optim._torch import from_torch, prepared, state_from_torch, state_to_torch
 from pardist.optim._transforms import clip_by_global_norm, clip_by_value, global_norm
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "piecewise_constant",
     "sgd",
     "sharded",
+    "prepared",
     "state_from_torch",
     "state_to_torch",
     "step_count",

@@ -32,7 +32,7 @@ torch.serialization.add_safe_globals([AdamWState])
 
 def adamw(
     lr: float | Callable[[int], float] = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float, float] | Callable[[int], tuple[float, float]] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
@@ -49,7 +49,8 @@ def adamw(
 
     Args:
         lr: learning rate, or a schedule ``count -> lr``.
-        betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``; ``betas``
+            may be a function ``count -> betas`` (eager steps only).
         fused, foreach: pick torch's implementation; default: fused where available.
         decoupled: True for AdamW; False gives Adam's L2 weight decay.
 
@@ -62,7 +63,8 @@ def adamw(
         >>> params['w']
         tensor([-0.1000,  0.1000])
     """
-    beta1, beta2 = betas
+    cycled = callable(betas)  # read at each update (a scheduler cycling them): eager only
+    beta1, beta2 = (0.0, 0.0) if cycled else betas
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1) or eps < 0 or weight_decay < 0:
         raise ValueError(
             f"pardist.optim.adamw: betas={betas} must lie in [0, 1); eps={eps} "
@@ -90,6 +92,13 @@ def adamw(
         in_place, p, (m, v, vmax) = _base.owned(p, *leaves)
         traced = tracing()  # then the count is no Python int
         options = dict(lr=_base.schedule_value(lr, state.count), **hyper)
+        if cycled:
+            if traced:
+                raise NotImplementedError(
+                    f"{name}: betas that change at every update (a scheduler cycling the "
+                    "momentum) have no form in a compiled step's kernels; the step runs eagerly"
+                )
+            options["beta1"], options["beta2"] = map(float, betas(int(state.count)))
         plan = lambda: _groups(p) if _base.fused_ok(p, fused, g, m, v, vmax) else None  # noqa: E731
         groups = checked.decided(answers, in_place, plan) if foreach is None else None
         if groups is not None:

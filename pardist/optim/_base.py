@@ -19,9 +19,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from pardist.compile import _ops
+from pardist.optim import _aligned
 from pardist.runtime import (
     Signature,
     _tree,
+    current_mode,
     donating,
     dtensor_like,
     dtensor_local,
@@ -292,15 +294,31 @@ def on_shards(update_fn: Callable, where: str) -> Callable:
                     "opt_state = opt.init(params) after params = pardist.fsdp(params)."
                 )
         local = lambda x: dtensor_local(x) if isinstance(x, DTensor) else x  # noqa: E731
-        lp, lg, ls = (list(map(local, ts)) for ts in (p_leaves, _tree.tree_leaves(grads), s_leaves))
+        g_leaves = _tree.tree_leaves(grads)
+        lp, lg, ls = (list(map(local, ts)) for ts in (p_leaves, g_leaves, s_leaves))
         shards = [x for x in p_leaves + s_leaves if isinstance(x, DTensor)]
-        mine = [t for t in lp + ls if isinstance(t, torch.Tensor)] if is_donated(shards) else []
+        donated = is_donated(shards)
+        # The deterministic mode: each shard updated at its place in the whole tensor
+        # (optim._aligned), so that it has one process's bits on every CPU.
+        aligned_ = current_mode().name == "deterministic"
+        bp, pw = _aligned.widened(p_leaves, lp) if aligned_ else (lp, None)
+        bg = _aligned.widened(g_leaves, lg)[0] if aligned_ else lg
+        bs, sw = _aligned.widened(s_leaves, ls) if aligned_ else (ls, None)
+        mine = [t for t in bp + bs if isinstance(t, torch.Tensor)] if donated else []
         p_def = _tree.tree_flatten(params)[1]
         with donating(mine):
             new_p, new_s = update_fn(
-                _tree.tree_unflatten(lg, p_def),
-                _tree.tree_unflatten(ls, s_def),
-                _tree.tree_unflatten(lp, p_def),
+                _tree.tree_unflatten(bg, p_def),
+                _tree.tree_unflatten(bs, s_def),
+                _tree.tree_unflatten(bp, p_def),
+            )
+        if aligned_:
+            new_p, new_s = (
+                _tree.tree_unflatten(_aligned.narrowed(leaves, w, was, donated), treedef)
+                for (leaves, treedef), w, was in (
+                    (_tree.tree_flatten(new_p), pw, lp),
+                    (_tree.tree_flatten(new_s), sw, ls),
+                )
             )
         return _rewrap(new_p, p_leaves, lp), _rewrap(new_s, s_leaves, ls)
 

@@ -53,7 +53,7 @@ torch.serialization.add_safe_globals([SGDState])
 
 def sgd(
     lr: float | Callable[[int], float],
-    momentum: float = 0.0,
+    momentum: float | Callable[[int], float] = 0.0,
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     nesterov: bool = False,
@@ -69,7 +69,8 @@ def sgd(
 
     Args:
         lr: learning rate, or a schedule ``count -> lr``.
-        momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``.
+        momentum, dampening, weight_decay, nesterov, maximize: as ``torch.optim.SGD``;
+            ``momentum`` may be a function ``count -> momentum`` (eager steps only).
         fused, foreach: pick torch's implementation; default: fused where available.
 
     Example:
@@ -81,9 +82,10 @@ def sgd(
         >>> params['w'], int(state.count)
         (tensor([0.5000, 0.5000]), 1)
     """
-    if nesterov and (momentum <= 0 or dampening != 0):
+    cycled = callable(momentum)  # read at each update (a scheduler cycling it): eager only
+    if nesterov and ((not cycled and momentum <= 0) or dampening != 0):
         raise ValueError("pardist.optim.sgd: nesterov=True needs momentum > 0 and dampening 0.")
-    if momentum < 0 or weight_decay < 0 or (not callable(lr) and lr < 0):
+    if (not cycled and momentum < 0) or weight_decay < 0 or (not callable(lr) and lr < 0):
         raise ValueError(
             f"pardist.optim.sgd: lr={lr}, momentum={momentum} and "
             f"weight_decay={weight_decay} must be >= 0."
@@ -116,9 +118,18 @@ def sgd(
         plan = lambda: _base.fused_ok(p, fused, g, buffers) and _fused_updates_all(p)  # noqa: E731
         use_fused = foreach is None and checked.decided(answers, (in_place, first), plan)
 
+        options = hyper
+        if cycled:
+            if traced:
+                raise NotImplementedError(
+                    "pardist.optim.sgd: a momentum that changes at every update (a scheduler "
+                    "cycling it) has no form in a compiled step's kernels; the step runs eagerly"
+                )
+            options = {**hyper, "momentum": float(momentum(int(state.count)))}
+
         def run(p, buffers):
             now = _base.schedule_value(lr, state.count)
-            torch_sgd(p, g, buffers, lr=now, fused=use_fused, foreach=each, **hyper)
+            torch_sgd(p, g, buffers, lr=now, fused=use_fused, foreach=each, **options)
 
         if traced and momentum and dampening:
             # torch's first step differs (no dampening): a graph takes both, then picks.

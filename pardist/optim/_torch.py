@@ -9,11 +9,12 @@ reads both and returns a pure pardist optimizer that updates the params of
 (``multi_transform``), on the same torch kernels (fused where the group asked for
 fused, else torch's own choice, so the numbers are torch's).
 
-A scheduler becomes each group's learning rate as a function of the optimizer's step
-count: a copy of it, bound to a stand-in optimizer, is stepped once per update (torch's
-own code, so any scheduler works, ``SequentialLR`` and ``OneCycleLR`` included). The
-script's scheduler itself is then not stepped any more; a loop that still calls its
-``step()`` gets an error at the next update.
+A scheduler keeps its own cadence, as in torch: the script steps it where it did (per
+update, per epoch, on a metric: ``ReduceLROnPlateau.step(val_loss)``), it sets the rate on
+the torch optimizer's param groups, and pardist's optimizer reads each group's rate there
+at every update (a compiled step at run time: no recompile). A scheduler that cycles the
+momentum (``OneCycleLR``, ``CyclicLR``) is read for it too. Its ``state_dict()`` saves and
+loads as torch's; :func:`state_from_torch` puts a saved optimizer's rates back.
 
 :func:`state_from_torch` and :func:`state_to_torch` convert an optimizer's state between
 torch's ``state_dict()`` (a DDP-era checkpoint) and pardist's.
@@ -22,8 +23,6 @@ torch's ``state_dict()`` (a DDP-era checkpoint) and pardist's.
 from __future__ import annotations
 
 import collections
-import copy
-import warnings
 from typing import Any
 
 import torch
@@ -32,8 +31,9 @@ from pardist.optim._adamw import AdamWState, adamw
 from pardist.optim._base import Optimizer
 from pardist.optim._groups import _keep, multi_transform
 from pardist.optim._sgd import SGDState, sgd
+from pardist.runtime import mark_optimizer_stepped
 
-__all__ = ["from_torch", "state_from_torch", "state_to_torch"]
+__all__ = ["from_torch", "prepared", "state_from_torch", "state_to_torch"]
 
 _WHERE = "pardist.optim.from_torch"
 _UNTOUCHED = "untouched"  # the label of parameters no group holds: never updated, as in torch
@@ -62,7 +62,9 @@ def _number(x: Any) -> Any:
     return float(x) if isinstance(x, torch.Tensor) else x
 
 
-def _group_optimizer(kind: str, group: dict, lr: Any, index: int) -> Optimizer:
+def _group_optimizer(kind: str, group: dict, lr: Any, index: int, live=None) -> Optimizer:
+    """One group's pardist optimizer; ``live``: the group's options read at each update
+    (a scheduler that cycles the momentum), else fixed as they are now."""
     if group.get("differentiable"):
         raise ValueError(
             f"{_WHERE}: param group {index} has differentiable=True, which pardist does not "
@@ -70,18 +72,20 @@ def _group_optimizer(kind: str, group: dict, lr: Any, index: int) -> Optimizer:
         )
     common = dict(weight_decay=_number(group["weight_decay"]), maximize=group["maximize"])
     if kind == "SGD":
+        momentum = live.option(index, "momentum") if live else _number(group["momentum"])
         return sgd(
             lr,
-            momentum=_number(group["momentum"]),
+            momentum=momentum,
             dampening=_number(group["dampening"]),
             nesterov=group["nesterov"],
             **common,
             **_implementation(group),
         )
     decoupled = kind == "AdamW" or group.get("decoupled_weight_decay", False)
+    betas = live.option(index, "betas") if live else tuple(_number(b) for b in group["betas"])
     return adamw(
         lr,
-        betas=tuple(_number(b) for b in group["betas"]),
+        betas=betas,
         eps=_number(group["eps"]),
         amsgrad=group["amsgrad"],
         decoupled=decoupled,
@@ -90,80 +94,74 @@ def _group_optimizer(kind: str, group: dict, lr: Any, index: int) -> Optimizer:
     )
 
 
-class _Replay:
-    """Each group's learning rate after ``t`` updates, by stepping a copy of the scheduler."""
+_CYCLED = {"SGD": ("momentum",), "Adam": ("betas",), "AdamW": ("betas",)}
 
-    def __init__(self, scheduler: Any, optimizer: torch.optim.Optimizer, steps_per_update: int):
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise TypeError(
-                f"{_WHERE}: ReduceLROnPlateau follows a metric, not the step count, so it is "
-                "no function of the update; give its rate as the lr of a pardist.optim "
-                "optimizer made each time it changes, or use a step-based scheduler."
-            )
-        for part in [scheduler, *getattr(scheduler, "_schedulers", [])]:
-            if getattr(part, "cycle_momentum", False):
-                raise ValueError(
-                    f"{_WHERE}: {type(part).__name__} has cycle_momentum=True, which changes the "
-                    "momentum (Adam's beta1) at every step; pardist's optimizers take it fixed. "
-                    f"Build it with cycle_momentum=False."
-                )
-        if getattr(scheduler, "optimizer", None) is not optimizer:
-            raise ValueError(
-                f"{_WHERE}: the scheduler steps another optimizer than the one given; pass the "
-                "optimizer the scheduler was made for."
-            )
-        self.scheduler, self.every = scheduler, steps_per_update
-        self.start = scheduler.last_epoch  # the scheduler's steps so far (0: as made)
-        stand_in = torch.optim.SGD([torch.zeros(0)], lr=0.0)
-        stand_in.param_groups = [
-            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"} | {"params": []}
+
+class _Live:
+    """A param group's options as the torch optimizer holds them now: the learning rate
+    that the script's own scheduler sets there (stepped where the loop steps it, as in
+    torch: per update, per epoch, on a metric), read at every update; the options it
+    may also cycle (OneCycleLR's and CyclicLR's momentum) read too where it does.
+
+    A compiled step reads them at run time (``schedule_value``'s graph node), so a
+    changed rate costs no recompile. Options that are fixed in the kernels (momentum and
+    betas where no given scheduler cycles them, weight decay, eps) are checked at every
+    update against what was converted: changed, they are an error naming the option.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kind: str, cycled: bool):
+        self.optimizer, self.kind, self.cycled = optimizer, kind, cycled
+        names = set(_CYCLED[kind]) if cycled else set()
+        self.fixed = [
+            {k: v for k, v in g.items() if k not in ("lr", "params", "initial_lr", *names)}
+            | {k: g[k] for k in _CYCLED[kind] if not cycled and k in g}
             for g in optimizer.param_groups
         ]
-        self.copy = copy.deepcopy(scheduler, {id(optimizer): stand_in})
-        self.rates = [[_number(g["lr"]) for g in stand_in.param_groups]]  # at self.start
-        self.fixed = self._others()
 
-    def lr(self, group: int, count: int) -> float:
-        if self.scheduler.last_epoch != self.start:
-            raise ValueError(
-                f"{_WHERE}: the torch scheduler was stepped after pardist.optim.from_torch took "
-                f"it (from step {self.start} to {self.scheduler.last_epoch}). pardist's "
-                "optimizer follows the schedule by its own step count, one step per update on "
-                "every process: remove lr_scheduler.step() from the loop."
-            )
-        t = count * self.every - self.start
-        if t < 0:
-            raise ValueError(
-                f"{_WHERE}: the optimizer is at update {count}, but the scheduler had been "
-                f"stepped {self.start} times when it was converted; convert the scheduler as "
-                "made (before any step), or load the optimizer's state with "
-                "pardist.optim.state_from_torch (its step count is the scheduler's)."
-            )
-        while len(self.rates) <= t:
-            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
-                warnings.simplefilter("ignore")
-                self.copy.step()
-            self.rates.append([_number(g["lr"]) for g in self.copy.optimizer.param_groups])
-            if self._others() != self.fixed:
+    def _group(self, i: int) -> dict:
+        mark_optimizer_stepped(self.optimizer)  # (this update is its step, to its scheduler)
+        group = self.optimizer.param_groups[i]
+        for k, v in self.fixed[i].items():
+            if not _same(group.get(k), v):
                 raise ValueError(
-                    f"{_WHERE}: the scheduler changes more than the learning rate at step "
-                    f"{len(self.rates) - 1} (the groups' other options were {self.fixed}, now "
-                    f"{self._others()}); pardist converts learning-rate schedules only."
+                    f"{_WHERE}: param group {i}'s {k!r} changed from {v!r} to "
+                    f"{group.get(k)!r} after the optimizer was converted; pardist follows "
+                    "the learning rate (and a given scheduler's cycled momentum), not other "
+                    "options. "
+                    + (
+                        "Pass the scheduler that changes it: from_torch(optimizer, model, "
+                        "scheduler)."
+                        if k in _CYCLED[self.kind]
+                        else "Build the optimizer with the value you train with."
+                    )
                 )
-        return self.rates[t][group]
+        return group
 
-    def _others(self) -> list:
-        return [
-            {k: v for k, v in g.items() if k not in ("lr", "params", "initial_lr")}
-            for g in self.copy.optimizer.param_groups
-        ]
+    def lr(self, i: int):
+        def now(count: Any) -> float:
+            return float(_number(self._group(i)["lr"]))
+
+        return now
+
+    def option(self, i: int, name: str):
+        def now(count: Any) -> Any:
+            value = self._group(i)[name]
+            return tuple(map(_number, value)) if isinstance(value, tuple) else _number(value)
+
+        return now
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a == b
 
 
 class _Converted:
     """The update of :func:`from_torch`'s optimizer, with what converting states needs."""
 
     def __init__(self, update: Any, kind: str, names: list[list[str]], optimizer, model):
-        self.update, self.kind, self.names = update, kind, names
+        self.update, self.kind, self.names, self.optimizer = update, kind, names, optimizer
         self.groups = [
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         ]
@@ -194,14 +192,14 @@ def from_torch(
             parameters (the model before ``pardist.functional``, or after: it copies).
         model: the module whose parameters the optimizer holds; the params it updates
             are ``pardist.functional(model)``'s (a dict by parameter name).
-        scheduler: a torch learning-rate scheduler of ``optimizer`` (``LambdaLR``,
-            transformers' ``get_*_schedule_with_warmup``, any other), stepped once per
-            update by the optimizer's own count: the loop no longer calls its ``step()``.
-            Or a function ``update -> lr`` for every group, as a loop that sets each
-            ``param_group["lr"]`` by hand (nanoGPT's ``get_lr``) has it.
-        steps_per_update: scheduler steps per update. Accelerate steps a prepared
-            scheduler once per process each update (without ``split_batches``); pass
-            ``pardist.world_size()`` to follow an Accelerate run's rates.
+        scheduler: optional. A torch scheduler of ``optimizer`` (any in
+            ``torch.optim.lr_scheduler``, transformers' schedules): the loop steps it as
+            in torch, where it did; given here, its momentum cycling (``OneCycleLR``) is
+            followed too. Without it the rate is still each group's ``lr`` at each update,
+            whatever sets it. Or a function ``update -> lr`` for every group, as a loop that
+            sets each ``param_group["lr"]`` by hand (nanoGPT's ``get_lr``) has it.
+        steps_per_update: with such a function, its steps per update (it is called with
+            ``update * steps_per_update``).
 
     Returns:
         An :class:`Optimizer` (``multi_transform`` of one optimizer per group).
@@ -234,24 +232,18 @@ def from_torch(
                 "given; pass the module whose parameters the optimizer was built over."
             )
         names.append([by_id[id(p)] for p in group["params"]])
-    if scheduler is None and any("initial_lr" in g for g in optimizer.param_groups):
-        warnings.warn(
-            f"{_WHERE}: the optimizer has a learning-rate scheduler (its groups have "
-            "'initial_lr'), which was not given: the rates stay as they are now. Pass it: "
-            "from_torch(optimizer, model, scheduler).",
-            stacklevel=2,
-        )
     by_hand = callable(scheduler) and not hasattr(scheduler, "optimizer")  # count -> lr
-    replay = None
+    cycled = False
     if scheduler is not None and not by_hand:
-        replay = _Replay(scheduler, optimizer, steps_per_update)
+        cycled = _check_scheduler(scheduler, optimizer, steps_per_update)
+    live = _Live(optimizer, kind, cycled)
     transforms: dict[Any, Optimizer] = {}
     for i, group in enumerate(optimizer.param_groups):
         if by_hand:  # one rate for every group, as a loop setting param_group["lr"] has it
             lr = _every(scheduler, steps_per_update)
-        else:
-            lr = _number(group["lr"]) if replay is None else _rate(replay, i)
-        transforms[i] = _group_optimizer(kind, group, lr, i)
+        else:  # the rate the group holds at each update: where the script's scheduler puts it
+            lr = live.lr(i)
+        transforms[i] = _group_optimizer(kind, group, lr, i, live if cycled else None)
     transforms[_UNTOUCHED] = _keep()
     label = {f"[{name!r}]": i for i, group in enumerate(names) for name in group}
 
@@ -262,19 +254,58 @@ def from_torch(
     return Optimizer(inner.init, _Converted(inner.update, kind, names, optimizer, model), inner.lr)
 
 
+class prepared:  # noqa: N801 - used as a function, as accelerator.prepare is
+    """``scheduler`` as Accelerate's ``prepare()`` makes it: each ``step()`` steps it once per
+    process (``num_processes``, default the world size), as Accelerate does without
+    ``split_batches``, so that a port of an Accelerate script keeps its ``step()`` line and
+    its rates. Everything else (``state_dict``, ``get_last_lr``, ...) is the scheduler's.
+
+    Example:
+        >>> import pardist, torch
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        >>> sched = pardist.optim.prepared(torch.optim.lr_scheduler.StepLR(opt, 1, 0.5), 2)
+        >>> sched.step(); opt.param_groups[0]["lr"]
+        0.25
+    """
+
+    def __init__(self, scheduler: Any, num_processes: int | None = None):
+        from pardist.runtime import world_size
+
+        self.scheduler = scheduler
+        self.num_processes = world_size() if num_processes is None else num_processes
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        for _ in range(self.num_processes):
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+
+def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, steps: int) -> bool:
+    """The scheduler steps ``optimizer``; whether it cycles the momentum (read live then)."""
+    if getattr(scheduler, "optimizer", None) is not optimizer:
+        raise ValueError(
+            f"{_WHERE}: the scheduler steps another optimizer than the one given; pass the "
+            "optimizer the scheduler was made for."
+        )
+    if steps != 1:
+        raise ValueError(
+            f"{_WHERE}: steps_per_update={steps} with a torch scheduler: the scheduler moves "
+            "where your loop calls its step(), as in torch; call it as often as the "
+            "original script did (Accelerate steps a prepared scheduler once per process "
+            "each update: pardist.optim.prepared(scheduler) steps it so)."
+        )
+    parts = [scheduler, *getattr(scheduler, "_schedulers", [])]
+    return any(getattr(part, "cycle_momentum", False) for part in parts)
+
+
 def _every(schedule: Any, steps: int):
     if steps == 1:
         return schedule
 
     def lr(count: int) -> float:
         return schedule(count * steps)
-
-    return lr
-
-
-def _rate(replay: _Replay, group: int):
-    def lr(count: int) -> float:
-        return replay.lr(group, count)
 
     return lr
 
@@ -294,7 +325,9 @@ def state_from_torch(opt: Optimizer, state_dict: dict, *, step: int | None = Non
 
     ``state_dict`` is what the torch optimizer's ``state_dict()`` returned, as a DDP
     script saved it: its groups must hold as many parameters as the optimizer given to
-    :func:`from_torch`, in the same order. Adam's and AdamW's step count comes from the
+    :func:`from_torch`, in the same order. Its groups' rates go back into that torch
+    optimizer's param groups (as torch's ``load_state_dict`` does), where the next update
+    reads them. Adam's and AdamW's step count comes from the
     state; SGD keeps none, so give ``step`` (the updates taken, e.g. the scheduler's
     ``last_epoch``) where the learning rate is a schedule.
 
@@ -340,6 +373,10 @@ def state_from_torch(opt: Optimizer, state_dict: dict, *, step: int | None = Non
             count = step if step is not None else (max(steps) if steps else 0)
             vmax = tree("max_exp_avg_sq") if conv.groups[i]["amsgrad"] else None
             out[i] = AdamWState(_count(count), tree("exp_avg"), tree("exp_avg_sq"), vmax)
+    for group, saved in zip(conv.optimizer.param_groups, saved_groups):
+        # The rates (and cycled options) where the script's scheduler had them, as torch's
+        # own load_state_dict leaves them: the next update reads them there.
+        group.update({k: v for k, v in saved.items() if k != "params" and k in group})
     return {k: out[k] for k in [*range(len(conv.names)), _UNTOUCHED]}
 
 
@@ -349,8 +386,8 @@ def _count(n: int) -> torch.Tensor:
 
 def state_to_torch(opt: Optimizer, state: Any) -> dict:
     """A torch ``state_dict()`` of ``opt``'s state (:func:`from_torch`'s optimizer), for the
-    torch optimizer's ``load_state_dict``: its groups' options as when converted, each
-    group's learning rate at the state's step count.
+    torch optimizer's ``load_state_dict``: its groups' options as the torch optimizer holds
+    them now (where its scheduler put them).
 
     Example:
         >>> import pardist, torch
@@ -365,7 +402,9 @@ def state_to_torch(opt: Optimizer, state: Any) -> dict:
     for i, names in enumerate(conv.names):
         s = state[i]
         count = int(s.count)
-        group = dict(conv.groups[i])
+        # The group's options as the torch optimizer holds them now (a scheduler's rate and
+        # cycled momentum there), the rate by the state's count where it is a function.
+        group = {k: v for k, v in conv.optimizer.param_groups[i].items() if k != "params"}
         lr = opt.lr[i]
         group["lr"] = lr(count) if callable(lr) else lr
         group["params"] = list(range(index, index + len(names)))

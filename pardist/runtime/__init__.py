@@ -35,6 +35,8 @@ from pardist.runtime._integrity import (
     claim_folder,
     commit,
     committed_steps,
+    described,
+    save_error,
     verify,
 )
 from pardist.runtime._layout import (
@@ -71,7 +73,11 @@ from pardist.runtime._rank0first import rank0_first
 from pardist.runtime._rng import rng_count, set_rng_count
 from pardist.runtime._seed import rank_seed, seed_everything, seed_worker
 from pardist.runtime._signature import Signature
-from pardist.runtime._warnings import DuplicateBatchWarning, NonFiniteLossWarning
+from pardist.runtime._warnings import (
+    DuplicateBatchWarning,
+    GradientSumWarning,
+    NonFiniteLossWarning,
+)
 
 __all__ = [
     *_compat.__all__,
@@ -85,6 +91,7 @@ __all__ = [
     "CompiledLoss",
     "Deterministic",
     "DuplicateBatchWarning",
+    "GradientSumWarning",
     "Eager",
     "GroupRef",
     "Ids",
@@ -102,6 +109,7 @@ __all__ = [
     "collective_starts",
     "commit",
     "committed_steps",
+    "described",
     "compiled_plan",
     "current_mesh",
     "current_mode",
@@ -128,6 +136,7 @@ __all__ = [
     "rank_seed",
     "rng_count",
     "same_layout",
+    "save_error",
     "seed_everything",
     "seed_worker",
     "set_rng_count",

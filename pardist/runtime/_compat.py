@@ -31,13 +31,13 @@ def _check_version(version: str) -> None:
 
 _check_version(torch.__version__)
 
-import torch._dynamo as dynamo  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 import torch.utils._pytree as pytree  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 from torch._C import DisableTorchFunctionSubclass  # noqa: E402
 
 __all__ = [
+    "dcp_storage_info",
     "DisableTorchFunctionSubclass",
     "MINIMUM_TORCH",
     "TorchCompileInductorWrapper",
@@ -47,7 +47,9 @@ __all__ = [
     "dtensor_like",
     "dtensor_local",
     "dtensor_spec",
-    "dynamo",
+    "disable_functorch",
+    "disable_torch_function",
+    "enable_torch_function",
     "enable_saved_tensors_hooks",
     "flatten_dense",
     "foreach_mul",
@@ -62,6 +64,7 @@ __all__ = [
     "inductor_lowering",
     "inductor_overlap_passes",
     "make_wrapper_subclass",
+    "mark_optimizer_stepped",
     "matches_machine_hostname",
     "outside_dispatch_modes",
     "pytree",
@@ -74,10 +77,12 @@ __all__ = [
     "views_of",
 ]
 
-# --- imported above -------------------------------------------------------------------
+# --- imported above (dynamo: on first use) ---------------------------------------------
 # dynamo (torch._dynamo): compile=True drives dynamo itself (exc.BackendCompilerFailed,
 #   exc.RestartAnalysis, lookup_backend, config.patch) and marks pardist's own entry
 #   points ``disable(reason=...)``; ``reason=`` since 2.8, the rest as used since 2.5.
+#   ``_compat.dynamo`` imports it on first use (a compiled step's), not with pardist: it
+#   is a second of every process's start (issue 56).
 # funcol (torch.distributed._functional_collectives): traceable collectives that a
 #   compiled step records as graph nodes; as used since 2.5 (still private in 2.15).
 # pytree (torch.utils._pytree): the tree flattening torch.func and dynamo use, so that
@@ -90,6 +95,24 @@ __all__ = [
 # wrapper tensors (peek_interpreter_stack, is_functorch_wrapped_tensor, get_unwrapped):
 # pardist.grad nests inside or around torch.func and must know which. As used since 2.0.
 functorch = torch._C._functorch
+# torch._C._DisableFuncTorch: plain tensors inside a transform, for pardist's own bookkeeping
+# there (the ranks agreeing on a tree's shapes by pickled objects); as used since 2.0.
+disable_functorch = torch._C._DisableFuncTorch
+
+
+# torch.optim.lr_scheduler's check that optimizer.step() ran before scheduler.step(): the
+# wrapped step sets ``optimizer._opt_called`` (since 1.1); a converted optimizer's update
+# is its step (pardist.optim.from_torch), so it sets the flag, and the script's own
+# scheduler.step() is not warned of.
+def mark_optimizer_stepped(optimizer) -> None:
+    optimizer._opt_called = True
+
+
+# torch._C.DisableTorchFunction / _EnableTorchFunction: every TorchFunctionMode off (or back
+# on) for a block, in C; pardist's own code runs so inside a typed step, untouched by its
+# tracking mode (the user's code back on). As torch's own overrides use them, since 1.13.
+disable_torch_function = torch._C.DisableTorchFunction
+enable_torch_function = torch._C._EnableTorchFunction
 
 # torch._foreach_mul / torch._foreach_norm: one kernel for a list of tensors (gradient
 # clipping, loss-scale unscaling), as torch's own optimizers use them; since 1.13.
@@ -192,6 +215,14 @@ def make_wrapper_subclass(cls, shape, *, dtype, device) -> torch.Tensor:
     What DTensor and torch's own subclasses are built with; keyword form since 2.0.
     """
     return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+
+
+def dcp_storage_info() -> type:
+    """DCP's ``_StorageInfo`` (filesystem.py): a record its checkpoint index pickles, which
+    pardist's index reader allows by its module and name (``runtime/_safe_index``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
 
 
 def dtensor_local(d) -> torch.Tensor:
@@ -385,3 +416,12 @@ def enable_saved_tensors_hooks() -> None:
 # torch.ops.higher_order.tag_activation_checkpoint: what dynamo records for a
 # torch.utils.checkpoint call in a graph (since 2.1); None where this torch has none.
 checkpoint_op = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+
+
+def __getattr__(name: str):
+    """``dynamo``: torch._dynamo, imported when a compiled step first asks for it."""
+    if name == "dynamo":
+        import torch._dynamo
+
+        return torch._dynamo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

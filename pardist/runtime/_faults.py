@@ -39,6 +39,7 @@ __all__ = [
     "hint",
     "label_group",
     "late_ranks_of",
+    "lost_peer",
     "record_uncaught",
     "set_timeout",
     "timeout_seconds",
@@ -155,6 +156,23 @@ _TIMEOUT_WORDS = ("timed out", "timeout")
 _LOST_WORDS = ("connection closed", "connection reset", "broken pipe", "connection refused")
 
 
+def lost_peer(what: str, group: dist.ProcessGroup | None, text: str) -> CollectiveTimeout | None:
+    """A CollectiveTimeout naming the lost rank(s), where ``text`` (an error's message from
+    inside ``what``) says a connection to another rank was lost; else None."""
+    if group is None or not any(w in text.lower() for w in _LOST_WORDS):
+        return None
+    late = late_ranks_of(group)
+    where = describe_group(group.group_name, dist.get_process_group_ranks(group))
+    gone = f"Rank(s) {late} never arrived: gone" if late else "A rank is gone"
+    return CollectiveTimeout(
+        f"{what} over {where} lost the connection to another rank (it exited or was "
+        f"killed) on rank {dist.get_rank()}. {gone} (killed, crashed or exited); its own "
+        f"output says why. (The backend said: {text[:300]})",
+        late,
+        f"{what} over {where}",
+    )
+
+
 @contextlib.contextmanager
 def collective_errors(what: str, group: dist.ProcessGroup | None) -> Iterator[None]:
     """Turn a backend's timeout or lost-peer error inside the block into a CollectiveTimeout.
@@ -180,8 +198,16 @@ def collective_errors(what: str, group: dist.ProcessGroup | None) -> Iterator[No
             else "lost the connection to another rank (it exited or was killed)"
         )
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        said = (
+            hint(late)
+            if timed_out or not late
+            else (
+                f"Rank(s) {late} never arrived: gone (killed, crashed or exited); its own "
+                "output says why."
+            )
+        )
         raise CollectiveTimeout(
-            f"{what} over {where} {event} on rank {dist.get_rank()}. {hint(late)} "
+            f"{what} over {where} {event} on rank {dist.get_rank()}. {said} "
             f"(The backend said: {first})",
             late,
             f"{what} over {where}",

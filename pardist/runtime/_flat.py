@@ -15,6 +15,7 @@ one go (``_traced_flatten``), anything else torch's pytree.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 
 import torch
@@ -34,6 +35,11 @@ _LEAVES = {
 }
 _builders: dict[int, tuple] = {}  # id(spec) -> (spec, number of leaves, rebuild(leaves))
 _LEAF = pytree.tree_flatten(0)[1]  # torch's spec of a leaf
+
+
+# Registered node types flattened by torch's rules, never keyed here: their order or
+# context is more than a hashable key shows (an OrderedDict's keys are a list).
+_UNKEYED = {collections.OrderedDict, collections.defaultdict, collections.deque}
 
 
 class _Other(Exception):
@@ -66,8 +72,17 @@ def _walk(node, leaves: list, keyed: bool = True):
         values, context = _mappings.flatten(node)
         sub = tuple(_walk(v, leaves, keyed) for v in values)
         return (kind, context, sub) if keyed else None
-    if kind in pytree.SUPPORTED_NODES or issubclass(kind, (tuple, dict, list)):
-        raise _Other  # OrderedDict, structseq, registered classes: torch's rules
+    node_def = pytree.SUPPORTED_NODES.get(kind)
+    if node_def is not None and kind not in _UNKEYED:  # a registered class (ShardedState)
+        children, context = node_def.flatten_fn(node)
+        try:
+            hash(context)
+        except TypeError:
+            raise _Other from None  # (a context that is no key: torch's rules, uncached)
+        sub = tuple(_walk(c, leaves, keyed) for c in children)
+        return (kind, context, sub) if keyed else None
+    if node_def is not None or issubclass(kind, (tuple, dict, list)):
+        raise _Other  # OrderedDict, structseq, deque: torch's rules
     leaves.append(node)
     return None
 

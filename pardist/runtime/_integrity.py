@@ -30,7 +30,9 @@ __all__ = [
     "claim_folder",
     "commit",
     "committed_steps",
+    "described",
     "marker",
+    "save_error",
     "verify",
 ]
 
@@ -50,22 +52,42 @@ def checksums(folder: Path) -> dict[str, int]:
     return {f.name: crc(f) for f in sorted(folder.iterdir()) if f.is_file() and f.name != MARKER}
 
 
+_MARKER_BYTES = 64 << 20  # a marker lists a checksum per file: kilobytes, even at 10k ranks
+
+
+def _listed(found: object) -> None:
+    """A marker's shape: a dict whose checksums map plain file names to CRC-32s."""
+    if not isinstance(found, dict) or not isinstance(found.get("checksums"), dict):
+        raise ValueError("not a pardist commit marker")
+    if not found["checksums"]:
+        raise ValueError("it lists no file")
+    for name, value in found["checksums"].items():
+        if not name or "/" in name or "\\" in name or name in (".", "..") or name == MARKER:
+            raise ValueError(f"it lists {name[:80]!r}, which is not a file of the checkpoint")
+        if type(value) is not int or not 0 <= value < 1 << 32:
+            raise ValueError(f"the checksum of {name[:80]!r} is {str(value)[:40]}, not a CRC-32")
+
+
 def marker(path: Path) -> dict:
     """The commit marker's contents, or a CheckpointError naming the file."""
     try:
-        with open(path / MARKER) as f:
-            found = json.load(f)
-        if not isinstance(found, dict) or not isinstance(found.get("checksums"), dict):
-            raise ValueError("not a pardist commit marker")
-        if not found["checksums"]:
-            raise ValueError("it lists no file")
-    except (OSError, ValueError) as e:  # (json.JSONDecodeError is a ValueError)
-        raise CheckpointError(
-            f"pardist.checkpoint: {path / MARKER} cannot be read ({type(e).__name__}: {e}): "
-            "the checkpoint's commit marker is damaged. Load an earlier checkpoint "
-            "(pardist.checkpoint.steps(dir) lists them)."
-        ) from None
-    return found
+        with open(path / MARKER, "rb") as f:
+            raw = f.read(_MARKER_BYTES + 1)
+        if len(raw) > _MARKER_BYTES:
+            raise ValueError(f"it is over {_MARKER_BYTES:,} bytes")
+        found = json.loads(raw)
+        _listed(found)
+    except RecursionError:  # a marker nested thousands deep
+        e = ValueError("it is nested too deep")
+    except (OSError, ValueError) as exc:  # (JSONDecodeError, UnicodeDecodeError: ValueErrors)
+        e = exc
+    else:
+        return found
+    raise CheckpointError(
+        f"pardist.checkpoint: {path / MARKER} cannot be read ({described(e)}): the "
+        "checkpoint's commit marker is damaged. Load an earlier checkpoint "
+        "(pardist.checkpoint.steps(dir) lists them)."
+    ) from None
 
 
 def verify(path: Path, files: bool = True) -> None:
@@ -121,8 +143,32 @@ def cause(exc: BaseException) -> tuple[str, str]:
     full = any(isinstance(e, OSError) and e.errno in _FULL for e in chain) or any(
         "No space left" in str(e) or "File too large" in str(e) for e in chain
     )
-    first = f"{type(inner[0]).__name__}: {str(inner[0]).strip().splitlines()[0][:300]}"
-    return ("full", first) if full else ("", first)
+    return ("full" if full else ""), described(inner[0])
+
+
+def save_error(exc: BaseException, tmp: Path, last: str | None, group) -> Exception:
+    """What a failed DCP save raises: a lost rank's CollectiveTimeout (a peer died while
+    the ranks wrote), else a CheckpointError saying whether the disk was full."""
+    kind, first = cause(exc)
+    from pardist.runtime import _faults
+
+    lost = _faults.lost_peer("pardist.checkpoint.save", group, first)
+    if lost is not None:
+        return lost
+    kept = f"the last good checkpoint, {last}, is intact" if last else "nothing was lost"
+    if kind == "full":
+        return CheckpointError(
+            f"pardist.checkpoint.save: the disk is full (or a file-size limit was hit) "
+            f"while writing {tmp} ({first}); {kept}. Free space, or save fewer "
+            "checkpoints (keep=)."
+        )
+    return CheckpointError(f"pardist.checkpoint.save: writing {tmp} failed ({first}); {kept}.")
+
+
+def described(exc: BaseException) -> str:
+    """``Type: the first line of its message`` (an EOFError() has none: ``EOFError``)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 _FORMAT = 1
@@ -146,89 +192,115 @@ def _fsync_dir(path: Path) -> None:
 
 
 def commit(tmp: Path, final: Path, step: int | None, keys: int, keep: int | None) -> str:
-    with open(tmp / MARKER, "w") as f:
-        json.dump(
-            {
-                "format": _FORMAT,
-                "step": step,
-                "leaves": keys,
-                "time": time.time(),
-                "world_size": dist.get_world_size()
-                if dist.is_available() and dist.is_initialized()
-                else 1,
-                "checksums": checksums(tmp),
-            },
-            f,
-        )
-        f.flush()
-        os.fsync(f.fileno())
-    old = final.with_name(final.name + ".old")
-    if final.exists():  # saving a step again: the new one replaces it
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    """Rank 0's end of a save: the marker into ``tmp``, then ``tmp`` renamed to ``final``.
+    An OSError at either (a full disk) removes ``tmp`` and is a CheckpointError; the
+    checkpoints committed before are as they were."""
+    try:
+        _write_marker(tmp, step, keys)
+        _replace(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # (what it took of a full disk, back)
+        full = e.errno in _FULL
+        raise CheckpointError(
+            f"pardist.checkpoint.save: committing {final} failed ({described(e)})"
+            + ("; the disk is full (or a file-size limit was hit)" if full else "")
+            + f"; the checkpoints committed before it are intact, and {tmp} is removed."
+            + (" Free space, or save fewer checkpoints (keep=)." if full else "")
+        ) from e
     if step is not None and keep is not None:
         for stale in committed_steps(final.parent)[:-keep]:
             shutil.rmtree(final.parent / str(stale), ignore_errors=True)
     return str(final)
 
 
-_runs: dict[str, int] = {}  # directory -> the descriptor of this run's file in it
+def _write_marker(tmp: Path, step: int | None, keys: int) -> None:
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    found = {"format": _FORMAT, "step": step, "leaves": keys, "time": time.time()}
+    found.update(world_size=world, checksums=checksums(tmp))
+    with open(tmp / MARKER, "w") as f:
+        json.dump(found, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    """``tmp`` renamed to ``final``; a ``final`` saved before (the same step again) is
+    put back if the rename fails."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():  # saving a step again: the new one replaces it
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    try:
+        tmp.rename(final)
+    except OSError:
+        if old.exists() and not final.exists():
+            old.rename(final)
+        raise
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_runs: dict[str, tuple[int, str]] = {}  # directory -> this run's (locked descriptor, name)
 _warned: set[tuple[str, str]] = set()  # (directory, other run) already warned of
-_RUN = "pardist.run."  # + pid: a run saving into the directory (its file, locked by it)
+_RUN = "pardist.run."  # + the run's name: a run saving into the directory (locked by it)
 
 
 def claim_folder(folder: Path) -> str:
     """Mark ``folder`` as saved into by this run (rank 0), and warn of any other live run
     that saves into it too, at every save (so both runs learn of each other); the
-    name of this run's temporary folders (its pid).
+    name of this run, which names its temporary folders.
 
-    Each run holds an ``flock`` (the kernel drops it when the process dies) on a file of
-    its own, ``pardist.run.<pid>``, made with ``O_EXCL | O_NOFOLLOW``: pardist never
-    follows a link someone put there, nor truncates or writes a file it did not create.
+    A run's name is its pid and 8 random hex digits: two runs in two containers (PID
+    namespaces) with the same pid still have two names. Each run holds an ``flock`` (the
+    kernel's, across PID namespaces, dropped when the process dies) on a file of its own,
+    ``pardist.run.<name>``, made with ``O_EXCL | O_NOFOLLOW``: pardist never follows a
+    link someone put there, nor truncates, writes or removes a file a live run holds.
     Another run's file that no process holds is a dead run's: it is removed, with the
-    temporary folders that run left. Each run saves into temporary folders named by its
-    pid, so two runs never write into one.
+    temporary folders that run left.
     """
     import fcntl
+    import secrets
 
     key = str(folder.resolve())
-    me = str(os.getpid())
     if key not in _runs:
-        mine = folder / f"{_RUN}{me}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            if mine.is_symlink() or mine.exists():  # a dead process's pid, reused
-                mine.unlink()
-            fd = os.open(mine, flags, 0o644)
-        except OSError as e:
-            raise CheckpointError(
-                f"pardist.checkpoint.save: cannot make {mine} ({e}); the directory must be "
-                "writable, and pardist follows no link in it."
-            ) from None
+        for _ in range(8):
+            name = f"{os.getpid()}-{secrets.token_hex(4)}"
+            mine = folder / f"{_RUN}{name}"
+            try:
+                fd = os.open(mine, flags, 0o644)
+                break
+            except FileExistsError:  # (a name taken: draw another)
+                continue
+            except OSError as e:
+                raise CheckpointError(
+                    f"pardist.checkpoint.save: cannot make {mine} ({e}); the directory must "
+                    "be writable, and pardist follows no link in it."
+                ) from None
+        else:
+            raise CheckpointError(f"pardist.checkpoint.save: cannot make a run file in {folder}.")
         fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, me.encode())
-        _runs[key] = fd
+        os.write(fd, name.encode())
+        _runs[key] = fd, name
+    me = _runs[key][1]
     for other in sorted(folder.glob(f"{_RUN}*")):
-        pid = other.name[len(_RUN) :]
-        if pid == me or other.is_symlink() or not other.is_file():
+        name = other.name[len(_RUN) :]
+        if name == me or other.is_symlink() or not other.is_file():
             continue
         if _held(other):
-            if (key, pid) not in _warned:
-                _warned.add((key, pid))
+            if (key, name) not in _warned:
+                _warned.add((key, name))
                 import warnings
 
                 warnings.warn(
-                    f"pardist.checkpoint.save: another running process (pid {pid}) saves "
+                    f"pardist.checkpoint.save: another running process (run {name}) saves "
                     f"checkpoints into {folder} too; their steps would mix, and latest() "
                     "would pick either run's. Give each run a directory of its own.",
                     stacklevel=4,
                 )
         else:  # a dead run's: its file and its unfinished saves
             other.unlink(missing_ok=True)
-            for left in folder.glob(f"*.tmp-{pid}"):
+            for left in folder.glob(f"*.tmp-{name}"):
                 shutil.rmtree(left, ignore_errors=True)
     return me
 

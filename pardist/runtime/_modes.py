@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pardist.runtime import _compat
+
 __all__ = [
     "ALONE",
     "EAGER",
@@ -114,9 +116,23 @@ class CompiledLoss(Eager):
     backward, checkpointed blocks recomputed there). Its other rules are eager's."""
 
     name = "compiled_loss"
+    # Collectives run as they do eagerly, out of the loss's graphs: dynamo breaks the
+    # graph at each (torch.compiler.disable, made on first use: dynamo is loaded then).
+    BREAKS = frozenset(
+        {"psum", "pmean", "pmax", "all_gather", "blockwise", "pvary", "broadcast", "axis_index"}
+    )
+    _disabled: dict = {}
 
     def __init__(self, compile: Callable[[Callable], Callable]):  # noqa: A002
         self.compile = compile
+
+    def run(self, op: str, *args: Any) -> Any:
+        rule = self.rules[op]
+        if op in self.BREAKS and _compat.tracing():
+            if op not in self._disabled:
+                self._disabled[op] = _compat.torch.compiler.disable(rule)
+            rule = self._disabled[op]
+        return rule(self, *args)
 
 
 class Compiled(Mode):

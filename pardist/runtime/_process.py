@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, _listen
+from pardist.runtime import _faults, _join, _listen
 from pardist.runtime._faults import DEFAULT_TIMEOUT_S
 
 __all__ = [
@@ -200,16 +200,17 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
         _listen.gloo_on_loopback()
         _faults.record_uncaught()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            rank_, world = _join.rank_in_world()
             store = _attempt_store(kwargs["timeout"]) or _env_store(kwargs["timeout"])
             if store is not None:
-                rank_, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                store = _join.secret_keys(store)
                 start = next(_starts)
-                _all_here(store, world, kwargs["timeout"], f"pardist/here/{start}")
+                _join.all_here(store, world, kwargs["timeout"], f"pardist/here/{start}", rank_)
                 dist.init_process_group(store=store, rank=rank_, world_size=world, **kwargs)
                 # gloo's start is no barrier: a rank that returned from it and left at
                 # once closed a pair its peer was still connecting ("connectFullMesh
                 # failed ... Connection closed by peer", seen on a loaded machine).
-                _all_here(store, world, kwargs["timeout"], f"pardist/connected/{start}")
+                _join.all_here(store, world, kwargs["timeout"], f"pardist/connected/{start}", rank_)
             else:
                 dist.init_process_group(**kwargs)
         else:
@@ -228,25 +229,6 @@ def _debug() -> bool:
 
 
 _starts = itertools.count(1)  # groups started by this process (alike on every rank)
-
-
-def _join_timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("PARDIST_JOIN_TIMEOUT", "600")))
-
-
-def _all_here(store, world: int, timeout: datetime.timedelta, key: str) -> None:
-    """Wait, up to the join timeout, until every rank has reached ``key`` in the store.
-
-    The process group's start (gloo connects every pair of ranks) is bounded by the
-    collective timeout: with a short ``PARDIST_TIMEOUT`` on a loaded machine, a rank
-    still importing torch failed the others' start (``DistStoreError: wait timeout
-    after 3000ms``). Once every rank is here the start takes moments; how long ranks
-    may take to arrive is the join timeout's to bound (``--join-timeout``, passed as
-    ``PARDIST_JOIN_TIMEOUT``; else 600 s).
-    """
-    if store.add(key, 1) == world:  # the last to arrive tells the others
-        store.set(f"{key}/all", "1")
-    store.wait([f"{key}/all"], max(timeout, _join_timeout()))
 
 
 def _attempt_store(timeout: datetime.timedelta):
@@ -287,15 +269,18 @@ def _env_store(timeout: datetime.timedelta):
         int(os.environ["WORLD_SIZE"]),
     )
     kwargs = dict(
-        timeout=max(timeout, _join_timeout()),
+        timeout=max(timeout, _join.join_timeout()),
         wait_for_workers=True,
         multi_tenant=True,  # as env:// (another group in this process may share the port)
     )
-    if int(os.environ["RANK"]) == 0:  # loopback when the run is on one machine
-        single = _listen.single_node()
-        store = _listen.store_server(host, port, single_node=single, world_size=world, **kwargs)
-    else:
-        store = dist.TCPStore(host, port, world, is_master=False, **kwargs)
+    try:
+        if int(os.environ["RANK"]) == 0:  # loopback when the run is on one machine
+            single = _listen.single_node()
+            store = _listen.store_server(host, port, single_node=single, world_size=world, **kwargs)
+        else:
+            store = dist.TCPStore(host, port, world, is_master=False, **kwargs)
+    except (RuntimeError, OSError) as e:  # (torch's DistNetworkError, DistStoreError)
+        raise _join.store_error(e, host, port, world) from None
     store.set_timeout(timeout)
     return store
 

@@ -5,9 +5,9 @@ non-tensor value as a ``torch.save`` read back with ``torch.load(weights_only=Fa
 a checkpoint folder that someone else could write is a way to run code as whoever
 resumes from it. pardist reads both without that power:
 
-- ``.metadata`` through an unpickler that knows only the classes DCP's index is made of
-  (its metadata dataclasses, ``torch.Size``, dtypes, layouts, paths) and refuses any
-  other global, so a pickle naming ``os.system`` stops at that name;
+- ``.metadata`` by ``_safe_index``: its opcodes checked before anything is built, an
+  exact allow-list of the classes DCP's index is made of (its metadata dataclasses,
+  ``torch.Size``, dtypes, layouts, paths), and the result checked to be data;
 - non-tensor values through ``torch.load(weights_only=True)``: numbers, strings, lists,
   dicts, tensors and the states pardist registers as safe (``add_safe_globals``);
 - and :func:`check_leaf` refuses, when saving, a value that such a load could not read
@@ -28,37 +28,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_leaf", "planner_class", "reader_class", "read_metadata", "writer_class"]
+from pardist.runtime._safe_index import read_index
 
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """An unpickler for DCP's index: its own classes and plain values, nothing callable else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == _DCP_METADATA or (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"the checkpoint's index names {module}.{name}, which is no part of "
-            "torch.distributed.checkpoint's metadata: it is not read (it could run code)"
-        )
+__all__ = [
+    "check_leaf",
+    "planner_class",
+    "reader_class",
+    "read_metadata",
+    "restored",
+    "writer_class",
+]
 
 
 def read_metadata(stream) -> Any:
-    """DCP's ``Metadata`` from an open ``.metadata`` file, by :class:`_IndexUnpickler`."""
-    return _IndexUnpickler(stream).load()
+    """DCP's ``Metadata`` from an open ``.metadata`` file, read as data (``_safe_index``)."""
+    return read_index(stream)
 
 
 @functools.cache
@@ -152,3 +136,47 @@ def writer_class():
             return super().write_data(plan, planner)
 
     return Writer
+
+
+def _leafless(v: Any) -> bool:
+    """A container with nothing in it but empty containers: DCP writes none of it."""
+    if isinstance(v, dict):
+        return all(_leafless(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and all(_leafless(x) for x in v)
+
+
+def _rebuilt(v: Any) -> Any:
+    """A fresh copy of a leafless container (never ``like``'s own objects)."""
+    if isinstance(v, dict):
+        return {k: _rebuilt(x) for k, x in v.items()}
+    return type(v)(_rebuilt(x) for x in v)
+
+
+def restored(like: Any, loaded: Any) -> Any:
+    """``loaded`` (a state_dict read back) in the types ``like`` (the object's own
+    ``state_dict()`` now) shows: DCP writes a dict's keys as strings (a MultiStepLR's
+    milestones are ints), a Counter as a dict, a tuple as a list, and no empty container
+    at all (a torch optimizer that never stepped has ``'state': {}``); its
+    ``load_state_dict`` wants them as they were."""
+    if isinstance(like, dict) and isinstance(loaded, dict):
+        numbered = bool(like) and all(type(k) is int for k in like)
+        out = {}
+        for k, v in loaded.items():
+            key = int(k) if numbered and isinstance(k, str) and k.lstrip("-").isdigit() else k
+            out[key] = restored(like.get(key), v)
+        for k, v in like.items():
+            if k not in out and _leafless(v):  # (LambdaLR's [{}] of a functools.partial)
+                out[k] = _rebuilt(v)
+        try:
+            return type(like)(out) if type(like) is not dict else out
+        except TypeError:  # (a mapping type that takes no dict)
+            return out
+    if isinstance(like, tuple) and isinstance(loaded, list):
+        return (
+            tuple(restored(a, b) for a, b in zip(like, loaded))
+            if len(like) == len(loaded)
+            else tuple(loaded)
+        )
+    if isinstance(like, list) and isinstance(loaded, list) and len(like) == len(loaded):
+        return [restored(a, b) for a, b in zip(like, loaded)]
+    return loaded

@@ -11,11 +11,16 @@ from __future__ import annotations
 import sys
 import warnings
 
-__all__ = ["DuplicateBatchWarning", "NonFiniteLossWarning", "warn"]
+__all__ = ["DuplicateBatchWarning", "GradientSumWarning", "NonFiniteLossWarning", "warn"]
 
 
 class DuplicateBatchWarning(UserWarning):
     """Every rank of a data-parallel step received the same batch."""
+
+
+class GradientSumWarning(UserWarning):
+    """A gradient taken outside ``pardist.grad`` in a data-parallel step (``torch.func.grad``,
+    ``.backward()``) of a per-rank loss: JAX's rule makes it the sum over the ranks."""
 
 
 class NonFiniteLossWarning(UserWarning):

@@ -51,6 +51,17 @@ def has_shards(params: dict) -> bool:
     return any(isinstance(_unwrapped(v), DTensor) for v in params.values())
 
 
+def _lifted(full: tuple) -> tuple:
+    """A unit's gathered parameters, typed as the step's replicated inputs are inside
+    ``pardist.grad``: the same value on every rank, lifted over the data axes (their
+    gather's transpose, a reduce-scatter of the mean, is the ``psum`` of that lift)."""
+    state = _vma.current()
+    if state is not None:
+        for t in full:
+            state.set(t, state.data_lifted)
+    return full
+
+
 class _Run:
     """One call of apply: what is gathered, and what the next unit will be."""
 
@@ -71,7 +82,7 @@ class _Run:
         shards = [self.shards[n] for n in unit.params]
         g = self.prefetched.pop(unit.index, None) or Gathered(self.plan, unit, shards)
         g.prev, self.last = self.last, g
-        outs = Gather.apply(g, *shards)
+        outs = _lifted(Gather.apply(g, *shards))
         for b, buffer in enumerate(g.buffers or ()):
             start = buffer.data_ptr()
             self.ranges.append((start, start + buffer.numel() * buffer.itemsize, g, b))
@@ -107,7 +118,7 @@ class _Run:
         """The unit's full parameters: still there if it just returned, else gathered."""
         if self.pending is not None and self.pending.unit is unit:
             g, self.pending = self.pending, None
-            return g, Gather.apply(g, *(self.shards[n] for n in unit.params))
+            return g, _lifted(Gather.apply(g, *(self.shards[n] for n in unit.params)))
         self.release(self.pending)
         self.pending = None
         return self.gather(unit)
@@ -297,7 +308,7 @@ class Runner:
                 "collectives. Differentiate with pardist.grad, outside other transforms."
             )
         tracked = _vma.current()
-        if tracked is not None:  # the gathers are not typed: model axes would go unseen
+        if tracked is not None and tracked.live - tracked.data:  # model axes: untyped gathers
             model = sorted(tracked.live - tracked.data)
             raise RuntimeError(
                 f"{self.where}: pardist.fsdp parameters in a step whose mesh also has the "

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pardist.compile import _traced
+from pardist.compile import _step, _traced
 from pardist.runtime import (
     Compiled,
     ShardsGradients,
@@ -72,7 +72,7 @@ def usable() -> bool:
     return plan is not None and plan.fsdp is not None
 
 
-@torch.compiler.assume_constant_result
+@_step.constant_result
 def _unit_names(key: int, names: tuple[str, ...]) -> tuple:
     """((parameter names, their shapes) per unit with parameters): ``_units.choose``, run
     once as the graph is traced and held in it as a constant."""

@@ -2,7 +2,7 @@
 
 On a checked call (the first, and every call under ``PARDIST_DEBUG=1``): every rank
 passes inputs of the same layout, replicated inputs and outputs are the same on every
-rank of the axes they are replicated over (compared by fingerprint). On every tracked
+rank of the axes they are replicated over (compared by fingerprint). On every typed
 call: JAX's static check that no output varies over an axis its out_spec replicates.
 The messages are the step's own (``data_parallel`` words them for data axes).
 """
@@ -35,7 +35,7 @@ def check_inputs(step, args: tuple, specs: list[P], mesh: _mesh.Mesh, axes) -> N
             "blocks: a dim split over an axis of size n is 1/n of the global dim; "
             "pardist.local_block cuts them)."
         )
-    for over, group in _replication.replicated_groups(named, specs, mesh):
+    for over, group in _replication.replicated_groups(named, specs, mesh, step.axis_names):
         problem = _replication.mismatch(group, mesh.group(over))
         if problem:
             seeded = _replication.seeds_differ(mesh.group(over))  # every rank is here
@@ -52,21 +52,26 @@ def check_outputs(step, out: Any, mesh: _mesh.Mesh, axes, typed_problem) -> None
         )
     if typed_problem:
         raise ValueError(typed_problem)
-    for over, group in _replication.replicated_groups(named, flat, mesh):
+    for over, group in _replication.replicated_groups(named, flat, mesh, step.axis_names):
         problem = _replication.mismatch(group, mesh.group(over))
         if problem:
             raise ValueError(step.replicated_output_error(problem, over, axes))
 
 
 def typed_outputs(step, out: Any, state: _vma.Tracking, axes) -> str | None:
-    """JAX's static check: an output varying over a (non-data) axis its out_spec replicates.
+    """JAX's static check: an output varying over an axis its out_spec replicates.
 
-    Over data axes the first call's comparison of values decides, as for data_parallel.
+    By type, on every call, over every axis (data axes too): a value computed from a
+    batch shard varies over the data axes until a collective (``pmean``, ``psum``,
+    ``all_gather(..., invariant=True)``) or ``pardist.grad``'s mean makes it invariant.
     """
-    leaves = _tree.tree_leaves(out)
-    for i, (leaf, spec) in enumerate(zip(leaves, step.flat_out_specs(out))):
+    flat = _tree.tree_flatten(out)
+    tags, get = state.tags, state.get
+    for i, (leaf, spec) in enumerate(zip(flat[0], step.flat_out_specs(out, flat))):
+        if id(leaf) not in tags:
+            continue  # untagged: it varies over nothing (one dict lookup)
         if isinstance(leaf, torch.Tensor) and not isinstance(leaf, DTensor):
-            extra = state.get(leaf) - set(spec.axes) - state.data
+            extra = _vma.value_axes(get(leaf)) - spec.vma
             if extra:
                 path = _tree.leaves_with_paths(out, "output")[i][0]
                 over = state.ordered(extra)

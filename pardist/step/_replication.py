@@ -165,12 +165,13 @@ def _entries_alike(named: list, specs: list, lists: frozenset, data: set) -> tup
     return [e[0] for e in out], [e[1] for e in out]
 
 
-def replicated_groups(named: list, specs: list, mesh) -> list:
-    """``[(axes, [(path, leaf)])]``: the leaves replicated over exactly those axes.
+def replicated_groups(named: list, specs: list, mesh, manual=None) -> list:
+    """``[(axes, [(path, leaf)])]``: the leaves replicated over exactly those axes (of the
+    ``manual`` ones, default all: ``shard_map(axis_names=)`` leaves the others alone).
 
     DTensors (sharded state) carry their own layout and are left out.
     """
-    live = [a for a, n in mesh.shape.items() if n > 1]
+    live = [a for a, n in mesh.shape.items() if n > 1 and (manual is None or a in manual)]
     groups: dict[tuple[str, ...], list] = {}
     for (path, leaf), spec in zip(named, specs):
         over = tuple(a for a in live if a not in spec.axes)

@@ -7,15 +7,15 @@ split over axis 'model' (each rank of 'model' holds one block); an axis a spec
 does not name is one the value is replicated over, and it must be the same on
 every rank of it. ``out_specs`` say the same of the results.
 
-Inside, pardist tracks which mesh axes each value varies over (``_vma``,
-``_tracker``), so collectives get JAX's transposes: ``psum`` of a value varying
-over 'model' is invariant over it, and its backward is the identity. Steps whose
-only axes of size > 1 are data axes (plain data parallelism) track nothing and
-pay nothing: there every value may count as varying, with the classic rules.
+Inside, pardist types every value by the mesh axes it varies over (``_vma``,
+``_tracker``), as JAX's ``check_vma=True``, so collectives get JAX's transposes:
+``psum`` of a value varying over 'model' is invariant over it, and its backward is
+the identity. One process has nothing to type and types nothing.
 
 ``pardist.data_parallel`` is this same step with its ``axis`` declared as data
-axes, over which ``pardist.grad`` averages replicated inputs' gradients in
-buckets (see ``_data_parallel``).
+axes: ``pardist.grad`` inside it differentiates the loss averaged over them, with
+the replicated inputs' gradients averaged in buckets (see ``_data_parallel``). The
+rules are the same under either combinator.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pardist.runtime import (
     Ids,
     ShardsGradients,
     StepContext,
+    _faults,
     _mesh,
     _process,
     _rng,
@@ -75,6 +76,8 @@ class Step:
         bucket_mb: float = 25.0,
         compile: bool | dict = False,  # noqa: A002 - torch.compile's word
         deterministic: int = 0,
+        check_vma: bool = True,
+        axis_names: frozenset | None = None,
     ):
         functools.update_wrapper(self, fn)
         self.mode = Deterministic(deterministic) if deterministic else EAGER  # when eager
@@ -92,6 +95,14 @@ class Step:
         self._specs_cache: dict = {}
         self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
         self.compiled = _step.compiled_step(compile, self.where)
+        self.check_vma, self.axis_names = check_vma, axis_names
+        # Typing (see _types_needed): the input structures whose call was typed and the
+        # output structures checked (each held: a spec's id is then never another's, and
+        # every rank, running the same program, finds the same ones), and whether the step
+        # needs typing on every call.
+        self._typed = _Seen()
+        self._checked_outputs = _Seen()
+        self._always_typed = False
 
     @property
     def where(self) -> str:
@@ -205,8 +216,12 @@ class Step:
             return self._call(mesh, axes, args, kwargs)
         if self.key is None:
             self.key = _handshake.key(self.where, self.fn)
-        with _handshake.stepping(ref.get(), self.key, self.entered, self.where):
-            return self._call(mesh, axes, args, kwargs)
+        group = ref.get()
+        # A peer lost inside the call, in pardist's words whichever collective saw it
+        # (FSDP's reduce-scatter over gloo: "Connection reset by peer").
+        with _handshake.stepping(group, self.key, self.entered, self.where):
+            with _faults.collective_errors(self.where, group):
+                return self._call(mesh, axes, args, kwargs)
 
     def _call(self, mesh, axes, args: tuple, kwargs: dict):
         leaves, treedef = _tree.tree_flatten(args)
@@ -220,15 +235,22 @@ class Step:
             _checks.check_inputs(self, args, specs, mesh, axes)
             self.check_batches(_tree.leaves_with_paths(args, "args"), specs, sharded, mesh, axes)
         donated = set(map(ids.__getitem__, donated_idx))  # (ids of non-tensors: unused)
-        out, typed_problem = _step.EAGER, None
+        out, typed_problem, typed = _step.EAGER, None, True
+        structure = (treedef, mesh)  # (specs are interned by structure: runtime._flat)
         with _rng.stream(_rng.rank_index(mesh, axes)):  # dropout: per rank and step
             if self.compiled is not None:
                 out = self.compiled(self, args, kwargs, mesh, axes, sharded, donated_idx, scatter)
             if out is _step.EAGER:
-                out, typed_problem = self._run_eager(
-                    args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter
-                )
+                out, typed_problem, typed = self._run_eager(
+                    args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter,
+                    structure,
+                )  # fmt: skip
         self.calls += 1
+        if not check and not typed:  # an output structure no typed call saw
+            out_spec = _tree.tree_flatten(out)[1]
+            if out_spec not in self._checked_outputs:
+                self._checked_outputs.add(out_spec)
+                check = True  # by values, this once
         if check:
             _checks.check_outputs(self, out, mesh, axes, typed_problem)
         elif typed_problem:
@@ -237,13 +259,17 @@ class Step:
             self._consumed.mark(out, leaves, ids, donated)
         return out
 
-    def _run_eager(self, args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter):
-        """(the step's output, the static check's problem or None), run eagerly."""
+    def _run_eager(
+        self, args, kwargs, mesh, axes, leaves, ids, specs, sharded, donated, scatter, structure
+    ):
+        """(the step's output, the static check's problem or None, whether it was typed),
+        run eagerly."""
         varying = set(map(ids.__getitem__, sharded))
         if _tree.any_instance(leaves, DTensor):  # pardist.fsdp shards vary over their axis
             varying |= {id(x) for x in leaves if isinstance(x, DTensor)}
-        # Track varying axes only where an axis beyond the data axes can make values differ;
-        # on one process (no axis of size > 1) an eager step runs ALONE: nothing to reduce.
+        # Every value is typed by the axes it varies over wherever an axis has more than one
+        # rank (unless check_vma=False); on one process an eager step runs ALONE: nothing
+        # to reduce and nothing to type.
         live = {a for a, n in mesh.shape.items() if n > 1}
         ctx = StepContext(
             name=self.where,
@@ -260,7 +286,11 @@ class Step:
             bucket_bytes=int(self.bucket_mb * 2**20),
             mode=self._eager_mode(live),
         )
-        state = _vma.Tracking(mesh, axes) if live - set(axes) else None
+        if self.axis_names is not None:
+            _check_manual(self, specs, mesh)
+        state = None
+        if live and self.check_vma and self._types_needed(live, axes, structure):
+            state = _vma.Tracking(mesh, axes, self.axis_names)
         typed_problem = None
         with entered(ctx), _vma.tracking(state), self._tracker(state, leaves, specs):
             out = self.fn(*args, **kwargs)
@@ -269,9 +299,33 @@ class Step:
                 with _vma.paused():
                     for t, mean in zip(ctx.call.pending_means, means):
                         t.copy_(mean)
+                _vma.invariant(ctx.call.pending_means)
             if state is not None:
                 typed_problem = _checks.typed_outputs(self, out, state, axes)
-        return out, typed_problem
+        if state is not None and typed_problem is None:  # (a refused call: typed again)
+            self._typed.add(structure)
+            self._checked_outputs.add(_tree.tree_flatten(out)[1])
+        if state is not None:
+            self._always_typed = self._always_typed or state.outside_grads
+        return out, typed_problem, state is not None
+
+    def _types_needed(self, live: set, axes: tuple, structure) -> bool:
+        """Whether this call types its values, as JAX types a program: once per structure
+        of the inputs (the types and the static check of the outputs are those of the
+        program, not of the numbers), on every call under ``PARDIST_DEBUG=1``, and on every
+        call of a step that needs the types for its numbers: one with axes beyond its data
+        axes (tensor parallelism), or that differentiates outside ``pardist.grad``
+        (``torch.func.grad``, ``.backward()``: JAX's typed transposes). Elsewhere every
+        value counts as varying over the data axes (each collective's result lifted back
+        at once): for ``pardist.grad``'s gradient of the loss averaged over the data axes
+        that is the typed numbers (docs/semantics.md), and it costs nothing per operation.
+        Every rank decides alike (the same program, the same structures)."""
+        return (
+            self._always_typed
+            or bool(live - set(axes))
+            or structure not in self._typed
+            or debug_enabled()
+        )
 
     def _eager_mode(self, live: set):
         """The mode the step runs in eagerly: a compiled step's fallback (its loss compiled),
@@ -281,33 +335,74 @@ class Step:
             return fallback
         return self.mode if live or self.mode is not EAGER else ALONE
 
-    def flat_out_specs(self, out: Any) -> list[P]:
-        """One spec per output leaf (cached by the output's structure)."""
-        leaves, treedef = _tree.tree_flatten(out)
-        key = ("out", treedef)
-        if key not in self._specs_cache:
-            self._specs_cache[key] = (
-                [P()] * len(leaves)
-                if self.out_specs is None
-                else _specs.flat_specs(
-                    self.out_specs,
-                    out,
-                    where=self.where,
-                    specs_name="out_specs",
-                    tree_name="output",
-                )
+    def flat_out_specs(self, out: Any, flat: tuple | None = None) -> list[P]:
+        """One spec per output leaf (cached by the output's structure, an interned spec:
+        runtime._flat). ``flat``: ``out`` flattened already."""
+        leaves, treedef = flat if flat is not None else _tree.tree_flatten(out)
+        key = ("out", id(treedef))
+        hit = self._specs_cache.get(key)
+        if hit is not None and hit[0] is treedef:
+            return hit[1]
+        specs = (
+            [P()] * len(leaves)
+            if self.out_specs is None
+            else _specs.flat_specs(
+                self.out_specs, out, where=self.where, specs_name="out_specs", tree_name="output"
             )
-        return self._specs_cache[key]
+        )
+        self._specs_cache[key] = (treedef, specs)
+        return specs
 
     def _tracker(self, state: _vma.Tracking | None, leaves: list, specs: list):
-        """What tracks varying axes through the step (nothing where none can differ)."""
+        """What tracks varying axes through the step (nothing where none can differ):
+        the sharded inputs typed by their specs (the others vary over nothing)."""
         if state is None:
             return contextlib.nullcontext()
         for leaf, spec in zip(leaves, specs):
-            if isinstance(leaf, torch.Tensor):
-                own = _specs.specs(leaf).axes if isinstance(leaf, DTensor) else spec.axes
-                state.set(leaf, frozenset(own))
+            if isinstance(leaf, DTensor):
+                state.set(leaf, frozenset(_specs.specs(leaf).axes))
+            elif spec.vma and isinstance(leaf, torch.Tensor):
+                state.set(leaf, spec.vma)
         return Tracker(state, self.where)
+
+
+class _Seen:
+    """Structures (TreeSpecs, or tuples of them and a mesh) seen, by identity, each held.
+
+    Interned specs (runtime._flat) are found again; a spec made afresh at every call (a
+    node type only torch's pytree flattens) never is, so such a call is always typed (and
+    checked), alike on every rank. Held at most ``LIMIT``: past it, nothing is found."""
+
+    LIMIT = 64
+
+    def __init__(self):
+        self._held: dict[tuple, object] = {}
+
+    @staticmethod
+    def _key(item) -> tuple:
+        return tuple(map(id, item)) if isinstance(item, tuple) else (id(item),)
+
+    def __contains__(self, item) -> bool:
+        held = self._held.get(self._key(item))
+        if held is None:
+            return False
+        return all(a is b for a, b in zip(held, item)) if isinstance(item, tuple) else held is item
+
+    def add(self, item) -> None:
+        if len(self._held) < self.LIMIT:
+            self._held[self._key(item)] = item
+
+
+def _check_manual(step: Step, specs: list, mesh) -> None:
+    """``axis_names``: the specs name no axis of the mesh outside them."""
+    for spec in specs:
+        extra = set(spec.axes) - set(step.axis_names)
+        if extra:
+            raise ValueError(
+                f"{step.where}: an in_spec names {sorted(extra)}, but axis_names="
+                f"{sorted(step.axis_names)} makes only those axes manual here. Name the axis in "
+                "axis_names, or leave it out of the spec."
+            )
 
 
 def _count(specs: Any) -> str:
@@ -322,6 +417,8 @@ def shard_map(
     in_specs: Any,
     out_specs: Any,
     donate_argnums: int | tuple[int, ...] = (),
+    check_vma: bool = True,
+    axis_names=None,
 ):
     """Run ``f`` on every rank's local blocks; ``in_specs`` and ``out_specs`` say how they split.
 
@@ -350,6 +447,13 @@ def shard_map(
             every call, and by comparing values on the first call (and every
             call under ``PARDIST_DEBUG=1``).
         donate_argnums: arguments the caller gives up, as for :func:`pardist.data_parallel`.
+        check_vma: JAX's flag. True (default): every value is typed by the axes it varies
+            over, collectives transpose by those types, and out_specs are checked by
+            them. False: nothing is typed; every value counts as varying, so ``psum``'s
+            transpose is ``psum`` (JAX's ``check_vma=False``), and out_specs are checked
+            by values on the first call only.
+        axis_names: the mesh axes ``f`` is manual over (default: all). Specs and
+            collectives may name only these; values are typed over these only.
 
     Returns:
         A function with ``f``'s signature.
@@ -365,7 +469,14 @@ def shard_map(
         tensor(6.)
         >>> pardist.shutdown()
     """
-    options = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs, donate_argnums=donate_argnums)
+    options = dict(
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        donate_argnums=donate_argnums,
+        check_vma=check_vma,
+        axis_names=axis_names,
+    )
     if f is None:
         return lambda f: shard_map(f, **options)
     if not callable(f):
@@ -373,5 +484,9 @@ def shard_map(
             f"pardist.shard_map: the first argument is the function to map, got a "
             f"{type(f).__name__}; write shard_map(f, in_specs=..., out_specs=...) or use it as "
             "a decorator: @shard_map(in_specs=..., out_specs=...)."
+        )
+    if axis_names is not None:
+        options["axis_names"] = frozenset(
+            (axis_names,) if isinstance(axis_names, str) else axis_names
         )
     return Step(f, **options)

@@ -8,6 +8,7 @@ of the value tree, as in JAX's ``shard_map``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -60,8 +61,18 @@ class P(tuple):
                 out.extend(entry if isinstance(entry, tuple) else (entry,))
         return tuple(out)
 
+    @property
+    def vma(self) -> frozenset[str]:
+        """The axes as a set: those a value with this spec varies over (made once)."""
+        return _vma_of(self)
+
     def __repr__(self) -> str:
         return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+
+@functools.cache
+def _vma_of(spec: P) -> frozenset[str]:
+    return frozenset(spec.axes)
 
 
 def _is_spec(x: Any) -> bool:

@@ -8,10 +8,13 @@ May import ``pardist.runtime`` only. The names below are its interface.
 from pardist.transport._agree import agree, header, name_step
 from pardist.transport._buckets import assign
 from pardist.transport._primitives import (
+    TRACED,
     AllGather,
     AllGatherInvariant,
     AllToAll,
+    Pbroadcast,
     Pmax,
+    Ppermute,
     Psum,
     PsumInvariant,
     PsumScatter,
@@ -33,11 +36,14 @@ from pardist.transport._stepmark import mark_step
 
 __all__ = [
     "ALIGN",
+    "TRACED",
     "AllGather",
     "AllGatherInvariant",
     "AllToAll",
     "ParamGather",
+    "Pbroadcast",
     "Pmax",
+    "Ppermute",
     "Psum",
     "PsumInvariant",
     "PsumScatter",

@@ -67,14 +67,14 @@ def header(name: str, group, x: torch.Tensor | None = None) -> None:
     mine = zlib.crc32(f"{what}|{mark}".encode())
     device = x.device if x is not None else _process.device()
     both = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
-    with _faults.collective_errors(name, group):
+    ranks = dist.get_process_group_ranks(group)
+    with _faults.collective_errors(name, group), _stepmark.over_gloo(what, ranks):
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     if int(both[0]) == -int(both[1]):
         return
     doing: list = [None] * dist.get_world_size(group)
     with _faults.collective_errors(name, group):
         dist.all_gather_object(doing, (what, mark), group=group)
-    ranks = dist.get_process_group_ranks(group)
     listing = "; ".join(f"rank {r}: {w}, {_call(m)}" for r, (w, m) in zip(ranks, doing))
     where = _faults.describe_group(group.group_name, ranks)
     if len({m for _, m in doing}) > 1:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pardist.runtime import _faults
-from pardist.transport import _segments, _stepmark
+from pardist.transport import _alive, _segments, _stepmark
 from pardist.transport._futex import crowded, futex_wait, futex_wake
 
 __all__ = ["SharedMemoryGroup"]
@@ -40,14 +40,6 @@ _NOTE_BYTES = 256  # per rank: what it was doing, written only when the ranks di
 _SEQ, _EXCHANGE, _SIGNATURE, _STEP = 0, 1, 3, 5  # int64 slots in a rank's line
 ALIGN = 64
 _SPIN_S = 20e-6
-
-
-def _host_identity() -> tuple[str, int]:
-    try:
-        netns = os.stat("/proc/self/ns/net").st_ino
-    except OSError:
-        netns = 0
-    return platform.node(), netns
 
 
 _SETUP = "pardist: setting up a shared-memory segment"
@@ -69,6 +61,7 @@ class SharedMemoryGroup:
         region_bytes: int,
         common_bytes: int,
         group_name: str = "",
+        peers: _alive.Peers | None = None,
     ):
         size = len(ranks)
         self.index, self.size, self.region_bytes = index, size, region_bytes
@@ -81,10 +74,13 @@ class SharedMemoryGroup:
         wake = sync[size * _FLAG_BYTES : size * _FLAG_BYTES + 4].view(torch.int32)
         self._wake, self._wake_address = wake.numpy(), wake.data_ptr()
         notes = sync[(size + 1) * _FLAG_BYTES : (size + 1) * _FLAG_BYTES + size * _NOTE_BYTES]
-        self._notes = notes.view(size, _NOTE_BYTES)
+        # (numpy views: written through torch, a note would bump the version counter the
+        # segment shares with the gradient arena, whose reuse check would see a change)
+        self._notes = notes.view(size, _NOTE_BYTES).numpy()
         self._seq = 0
         self._doing: tuple | None = ("a shared-memory collective",)
         self.timeout = _faults.timeout_seconds()
+        self._peers = peers or _alive.Peers([])
         self.show_mark(_stepmark.shown_by(self))
 
     def show_mark(self, value: int, note: str = "") -> None:
@@ -97,11 +93,11 @@ class SharedMemoryGroup:
     def _write_note(self, text: str) -> None:
         data = text.encode()[: _NOTE_BYTES - 1]
         note = self._notes[self.index]
-        note.zero_()
-        note[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        note[:] = 0
+        note[: len(data)] = list(data)
 
     def _note(self, k: int) -> str:
-        return bytes(self._notes[k].numpy()).rstrip(b"\0").decode(errors="replace")
+        return bytes(self._notes[k]).rstrip(b"\0").decode(errors="replace")
 
     @staticmethod
     def nbytes(size: int, region_bytes: int, common_bytes: int) -> int:
@@ -124,23 +120,25 @@ class SharedMemoryGroup:
         ids: list = [None] * size
         layout = (region_bytes, common_bytes)
         with _faults.collective_errors(_SETUP, group):
-            dist.all_gather_object(ids, (enabled, _host_identity(), layout), group=group)
+            mine = (enabled, _alive.host(), layout, _alive.me())
+            dist.all_gather_object(ids, mine, group=group)
         ranks = dist.get_process_group_ranks(group)
-        if len({theirs for _, _, theirs in ids}) != 1:
-            sizes = ", ".join(f"rank {r}: {theirs}" for r, (_, _, theirs) in zip(ranks, ids))
+        if len({theirs for _, _, theirs, _ in ids}) != 1:
+            sizes = ", ".join(f"rank {r}: {theirs}" for r, (_, _, theirs, _) in zip(ranks, ids))
             raise _faults.CollectiveMismatch(
                 "pardist: the ranks of "
                 f"{_faults.describe_group(group.group_name, ranks)} asked for shared-memory "
                 f"regions of different sizes (bytes per rank, common: {sizes}): they hold "
                 "different tensors to reduce. Every rank must pass the same parameter tree."
             )
-        if not all(ok for ok, _, _ in ids) or len({host for _, host, _ in ids}) != 1:
+        if not all(ok for ok, *_ in ids) or len({host for _, host, *_ in ids}) != 1:
             return None
         region = _segments.map_shared(group, total, _SETUP)
         if region is None:
             return None
         index = dist.get_rank(group)
-        return cls(region, index, ranks, region_bytes, common_bytes, group.group_name)
+        peers = _alive.Peers([proc for *_, proc in ids])
+        return cls(region, index, ranks, region_bytes, common_bytes, group.group_name, peers)
 
     def view(self, rank: int, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """``numel`` elements of ``dtype`` at byte ``offset`` of ``rank``'s region."""
@@ -199,7 +197,18 @@ class SharedMemoryGroup:
                     doing,
                 )
             self._check_step(seq)
+            self._check_alive(seq)
             futex_wait(self._wake_address, word, min(0.1, self.timeout - waited + 1e-3))
+
+    def _check_alive(self, seq: int) -> None:
+        """While waiting: is a rank I wait for gone (killed, exited)? Say so now."""
+        flags, stride = self._flags, _FLAG_BYTES // 8
+        gone = self._peers.gone([k for k in range(self.size) if flags[k * stride] < seq])
+        if gone is None:
+            return
+        where = _faults.describe_group(self.group_name, self.ranks)
+        doing = f"{_stepmark.describe(self._doing)} over {where}"
+        raise self._peers.lost(gone, self.ranks, self.index, doing)
 
     def _check_step(self, seq: int) -> None:
         """While waiting: has a rank left this call of the step behind, or found the ranks
@@ -214,6 +223,10 @@ class SharedMemoryGroup:
             me, doing = self.ranks[self.index], _stepmark.describe(self._doing)
             if did == _stepmark.FOUND:  # its reason, with the real calls
                 _stepmark.out_of_step(f"pardist: rank {self.ranks[k]} {did}: {self._note(k)}")
+            if did == _stepmark.WAITS:  # the collective it waits in, after its last call
+                _stepmark.out_of_step(
+                    _stepmark.fewer_calls(self.ranks[k], self._note(k), me, doing)
+                )
             _stepmark.out_of_step(
                 f"pardist: rank {self.ranks[k]} {did} while rank {me} waits in {doing}"
                 + (f" of call {_stepmark.call_of(mine)}" if mine else "")

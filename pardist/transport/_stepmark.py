@@ -19,12 +19,14 @@ import torch
 
 from pardist.runtime import _faults, _process
 
-__all__ = ["mark_step"]
+__all__ = ["mark_step"]  # (and the helpers _shm reads)
 
 COUNT = (1 << 40) - 1
 LOST = -1  # the mark shown by a rank that found the ranks out of step
+GLOO = -2  # shown while outside any step and waiting in a gloo collective (in its note)
 FOUND = "found the ranks out of step"
-_MARK = {"now": 0}
+WAITS = "waits outside the step, over gloo, in"
+_MARK = {"now": 0, "shown": 0}
 _segments: list = []  # every segment of this process (weak references)
 _lost: dict[str, str] = {}  # "why": the ranks are out of step, for good (this process group)
 _process.on_shutdown(_lost.clear)
@@ -64,11 +66,30 @@ def shown_by(segment) -> int:
     return _MARK["now"]
 
 
-def _show(value: int, note: str = "") -> None:
+def _show(value: int, note: str = "", within: set[int] | None = None) -> None:
+    if within is None:
+        _MARK["shown"] = value
     for ref in _segments:
         segment = ref()
-        if segment is not None:
+        if segment is not None and (within is None or within.issuperset(segment.ranks)):
             segment.show_mark(value, note)
+
+
+@contextlib.contextmanager
+def over_gloo(what: str, ranks: list[int]):
+    """Inside: this rank, outside any step, waits in gloo collective ``what`` over
+    ``ranks``. Shown to the shared-memory segments of those ranks: a peer waiting there in
+    a step's collective waits for a rank that cannot come (ranks that ran different numbers
+    of steps: a shorter loader), and raises at once instead of at the timeout."""
+    if _MARK["now"] != 0 or _lost or not _segments:
+        yield
+        return
+    within = set(ranks)
+    _show(GLOO, what[:200], within)
+    try:
+        yield
+    finally:
+        _show(_MARK["shown"], "", within)
 
 
 @contextlib.contextmanager
@@ -105,11 +126,24 @@ def departure(mine: int, theirs: int) -> str | None:
     same = mine and theirs >> 41 == mine >> 41
     if theirs == LOST:  # (whatever this rank waits in: it will not come)
         return FOUND
+    if theirs == GLOO and mine:
+        return WAITS
     if same and at > call:
         return f"began call {at} of the step"
     if same and at == call and not theirs & 1:
         return f"left call {at} of the step without it"
     return None
+
+
+def fewer_calls(rank: int, theirs: str, me: int, doing: str) -> str:
+    """The message of a rank that waits in a step's collective while ``rank`` waits in
+    ``theirs`` over gloo, outside any step (departure's WAITS)."""
+    return (
+        f"pardist: rank {rank} {WAITS} {theirs} while rank {me} waits in {doing} of call "
+        f"{call_of(now())}: the ranks ran different numbers of calls (a loader with fewer "
+        "batches on one rank?). Give every rank the same number of batches: "
+        "pardist.data.shard, or drop_last=True on a DistributedSampler's loader."
+    )
 
 
 def call_of(mark: int) -> int:
