@@ -34,7 +34,7 @@ from pardist.runtime import (
     current_step,
     functorch,
 )
-from pardist.transport import Pmax, Psum, PsumInvariant, Pvary, _primitives
+from pardist.transport import _primitives
 
 __all__ = [
     "AxisIndex",
@@ -57,7 +57,7 @@ _NUMBER = (int, float, bool)
 
 def psum_groups(x: torch.Tensor, groups: list) -> torch.Tensor:
     """The untyped psum over process groups (backward: psum), as pardist.grad's mean calls it."""
-    return Psum.apply(x, groups, reduce_groups)
+    return _primitives.family().Psum.apply(x, groups, reduce_groups)
 
 
 def needs_grad(x: torch.Tensor) -> bool:
@@ -73,7 +73,7 @@ def lift(state: _vma.Tracking, x: torch.Tensor, axes: frozenset[str]) -> torch.T
     if not missing or not needs_grad(x):
         return x
     state.outside_grads = state.outside_grads or not state.grads
-    return Pvary.apply(x, state.groups(missing), reduce_groups)
+    return _primitives.family().Pvary.apply(x, state.groups(missing), reduce_groups)
 
 
 def retype(state: _vma.Tracking, out: torch.Tensor, v: frozenset, fn, axes) -> torch.Tensor:
@@ -179,7 +179,8 @@ def _reduction(tree: Any, axis, name: str, op, number, groups=None, scale: float
 
 def _summed(groups_option):
     def op(x, pgroups, state):
-        kind = PsumInvariant if state is not None and groups_option is None else Psum
+        fam = _primitives.family()
+        kind = fam.PsumInvariant if state is not None and groups_option is None else fam.Psum
         return kind.apply(x, pgroups, reduce_groups)
 
     return op
@@ -244,7 +245,8 @@ def _pmean(mode, tree: Any, axis, groups) -> Any:
 
 def _maximum(groups_option):
     def op(x, pgroups, state):
-        return Pmax.apply(x, pgroups, reduce_groups, state is not None and groups_option is None)
+        typed = state is not None and groups_option is None
+        return _primitives.family().Pmax.apply(x, pgroups, reduce_groups, typed)
 
     return op
 

@@ -18,7 +18,7 @@ from pardist.collectives import _groups, _vma
 from pardist.collectives._collectives import guard, lift, retype
 from pardist.compile import _traced
 from pardist.runtime import Compiled, Eager, _mesh, _tree, current_mode
-from pardist.transport import AllGather, AllGatherInvariant, AllToAll, Ppermute, PsumScatter
+from pardist.transport import AllToAll, Ppermute, PsumScatter, _primitives
 
 __all__ = ["all_gather", "all_to_all", "checked_dim", "ppermute", "psum_scatter"]
 
@@ -145,7 +145,8 @@ def all_gather(
 @Eager.register("all_gather")
 def _all_gather(mode, tree: Any, axis, dim: int, invariant: bool, groups) -> Any:
     # Untyped (outside steps) an invariant gather is lifted back at once: all_gather's rules.
-    fn = AllGatherInvariant if invariant and _vma.current() is not None else AllGather
+    fam = _primitives.family()
+    fn = fam.AllGatherInvariant if invariant and _vma.current() is not None else fam.AllGather
 
     def prepare(x: torch.Tensor, size: int, where: str) -> int:
         return checked_dim(x, dim, where, "concatenate along")

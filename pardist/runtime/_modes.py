@@ -125,13 +125,16 @@ class CompiledLoss(Eager):
 
     def __init__(self, compile: Callable[[Callable], Callable]):  # noqa: A002
         self.compile = compile
+        # Made here, eagerly: made while dynamo traces (torch 2.11), the wrapper was traced
+        # through, and the collective's shared-memory wait with it.
+        for op in self.BREAKS - self._disabled.keys():
+            if op in self.rules:
+                self._disabled[op] = _compat.torch.compiler.disable(self.rules[op])
 
     def run(self, op: str, *args: Any) -> Any:
         rule = self.rules[op]
         if op in self.BREAKS and _compat.tracing():
-            if op not in self._disabled:
-                self._disabled[op] = _compat.torch.compiler.disable(rule)
-            rule = self._disabled[op]
+            rule = self._disabled.get(op, rule)
         return rule(self, *args)
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, collective_starts
+from pardist.runtime import _faults, collective_starts, tracing
 from pardist.transport import _shmgroups
 from pardist.transport._agree import agree
 
@@ -43,12 +43,31 @@ __all__ = [
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+_EAGERLY: dict = {}
+
+
+def _eagerly(fn):
+    """``fn`` out of dynamo's graph (``torch.compiler.disable``, made on first use: dynamo
+    is loaded then). Where dynamo traces a collective (a user's ``torch.compile`` of a loss
+    in an eager step), the shared-memory and gloo paths run as they do eagerly; torch 2.11
+    traced on into the shared-memory wait."""
+    if fn not in _EAGERLY:
+        _EAGERLY[fn] = torch.compiler.disable(fn)
+    return _EAGERLY[fn]
+
+
 def _shared(x: torch.Tensor, group):
     return _shmgroups.for_collectives(group) if x.device.type == "cpu" else None
 
 
 def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
     """A reduced copy of ``x``: via shared memory for CPU ranks on one host, else the backend."""
+    if tracing():
+        return _eagerly(_reduce)(x, groups, op)
+    return _reduce(x, groups, op)
+
+
+def _reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
     collective_starts(f"pardist.{'psum / pmean' if op == 'sum' else 'pmax'}")
     y = x.detach().clone(memory_format=torch.contiguous_format)
     for group in groups:
@@ -71,6 +90,12 @@ def reduce(x: torch.Tensor, groups: list, op: str) -> torch.Tensor:
 
 
 def gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
+    if tracing():
+        return _eagerly(_gather_parts)(x, group)
+    return _gather_parts(x, group)
+
+
+def _gather_parts(x: torch.Tensor, group) -> list[torch.Tensor]:
     collective_starts("pardist.all_gather")
     shm = _shared(x, group)
     parts = shm.all_gather(x) if shm is not None else None
@@ -91,6 +116,15 @@ class _Family:
 
 
 EAGER, TRACED = _Family(), _Family()
+
+
+def family() -> _Family:
+    """The variant for this call: TRACED while dynamo traces it (a user's ``torch.compile``
+    of a loss in an eager step: torch 2.11's dynamo cannot take a Function with a custom
+    ``jvp`` and traced into the collective), else EAGER."""
+    return TRACED if tracing() else EAGER
+
+
 FAMILIES = {"eager": EAGER, "traced": TRACED}  # (a backward reaches its family by a constant
 # key of a global: dynamo traces that, not a closure's object)
 
