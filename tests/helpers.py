@@ -160,3 +160,30 @@ def train_ddp(
         F.cross_entropy(net(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in net.module.named_parameters()}
+
+
+def ranks_by_hand(script: str, ranks: list[int], world: int, *args: str, piped=True, **env):
+    """Processes started as a user starts ranks without a launcher: ``python -c script``
+    with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` (a free port) set by
+    hand, each with a hash seed of its own (as torchrun's ranks have), ``env`` added
+    (a value None removes the variable). Output piped (stderr into stdout) unless not;
+    each process's ``port`` is the run's ``MASTER_PORT``."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i, rank in enumerate(ranks):
+        mine = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        mine.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        mine.update(PYTHONHASHSEED=str(101 + i), **{k: v for k, v in env.items() if v is not None})
+        for k in [k for k, v in env.items() if v is None]:
+            mine.pop(k, None)
+        out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if piped else {}
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *args], env=mine, **out))
+        procs[-1].port = port  # (rank 0's store)
+    return procs

@@ -12,42 +12,23 @@ from __future__ import annotations
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers import ranks_by_hand
 
 JOIN = 8  # seconds: the join timeout (and the collective timeout) of these runs
 SCRIPT = "import pardist; pardist.init(); pardist.shutdown(); print('joined')"
 pytestmark = pytest.mark.timeout(240)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(ranks: list[int], world: int) -> list[tuple[int, str]]:
     """Every process's exit status and output (stderr included), started together."""
-    port = _port()
-    procs = []
-    for i, rank in enumerate(ranks):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONHASHSEED=str(i + 1))
-        env.update(PARDIST_JOIN_TIMEOUT=str(JOIN), PARDIST_TIMEOUT=str(JOIN))
-        env.update(LOCAL_WORLD_SIZE=str(world))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", SCRIPT],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    procs = ranks_by_hand(
+        SCRIPT, ranks, world, PARDIST_JOIN_TIMEOUT=str(JOIN), PARDIST_TIMEOUT=str(JOIN)
+    )
     out = []
     for p in procs:
         text, _ = p.communicate(timeout=200)  # the join timeout bounds them: 8 s and start-up
@@ -110,15 +91,9 @@ def test_a_client_without_the_runs_secret_reads_none_of_its_keys(tmp_path, secre
     authentication); with the run's secret (PARDIST_STORE_SECRET, drawn by the launcher and
     by pardist.spawn) every key the run uses is behind it, and a client without it finds
     none. Without one, the same probe reads the run's join keys: the probe can see them."""
-    port, procs, ready = _port(), [], str(tmp_path / "ready-")
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONHASHSEED=str(rank + 3))
-        env.update(LOCAL_WORLD_SIZE="2", READY=ready)
-        env.pop("PARDIST_STORE_SECRET", None)
-        if secret == "with a secret":
-            env["PARDIST_STORE_SECRET"] = "0123456789abcdef0123456789abcdef"
-        procs.append(subprocess.Popen([sys.executable, "-c", HOLD], env=env))
+    ready = str(tmp_path / "ready-")
+    key = "0123456789abcdef0123456789abcdef" if secret == "with a secret" else None
+    procs = ranks_by_hand(HOLD, [0, 1], 2, piped=False, READY=ready, PARDIST_STORE_SECRET=key)
     try:
         for rank in (0, 1):  # both past init: the join keys are set
             path = pathlib.Path(ready + str(rank))
@@ -127,7 +102,7 @@ def test_a_client_without_the_runs_secret_reads_none_of_its_keys(tmp_path, secre
                 time.sleep(0.05)
         env = {k: v for k, v in os.environ.items() if k != "PARDIST_STORE_SECRET"}
         probe = subprocess.run(
-            [sys.executable, "-c", PROBE, str(port)],
+            [sys.executable, "-c", PROBE, str(procs[0].port)],
             env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert probe.returncode == 0, probe.stderr

@@ -12,12 +12,8 @@ detection, never the timeout.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
+from helpers import ranks_by_hand
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -49,33 +45,11 @@ print("finished")
 """
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("params", ["plain", "fsdp"])
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_the_survivor_names_the_lost_rank(transport, params):
-    port, procs = _port(), []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONHASHSEED=str(rank + 7))
-        env.update(
-            LOCAL_WORLD_SIZE="2",
-            PARDIST_TIMEOUT="300",
-            PARDIST_SHM="0" * (transport == "gloo") or "1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", SCRIPT, params],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    shm = "0" if transport == "gloo" else "1"
+    procs = ranks_by_hand(SCRIPT, [0, 1], 2, params, PARDIST_TIMEOUT="300", PARDIST_SHM=shm)
     survivor, _ = procs[0].communicate(timeout=200)
     procs[1].communicate(timeout=60)
     assert procs[1].returncode == -9
@@ -108,20 +82,7 @@ def test_ranks_that_ran_different_numbers_of_steps_are_named_on_shared_memory():
     headers meet and both raise at once; on shared memory both waited the whole timeout.
     Now rank 1 sees, within a tenth of a second, that rank 0 waits over gloo outside any
     step, and raises StepMismatch naming both; its exit ends rank 0's wait."""
-    port, procs = _port(), []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONHASHSEED=str(rank + 5))
-        env.update(LOCAL_WORLD_SIZE="2", PARDIST_TIMEOUT="300", PARDIST_SHM="1")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", UNEVEN],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    procs = ranks_by_hand(UNEVEN, [0, 1], 2, PARDIST_TIMEOUT="300", PARDIST_SHM="1")
     out = [p.communicate(timeout=200)[0] for p in procs]
     assert all(p.returncode != 0 for p in procs), out
     last = [text.strip().splitlines()[-1] for text in out]
@@ -151,21 +112,9 @@ print("finished")
 
 @pytest.mark.parametrize("transport", ["shm", "gloo"])
 def test_a_rank_killed_inside_a_checkpoint_save_is_named(tmp_path, transport):
-    port, procs = _port(), []
-    for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONHASHSEED=str(rank + 9))
-        env.update(LOCAL_WORLD_SIZE="2", PARDIST_TIMEOUT="300", FOLDER=str(tmp_path))
-        env.update(PARDIST_SHM="0" if transport == "gloo" else "1")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", IN_SAVE],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+    shm = "0" if transport == "gloo" else "1"
+    env = dict(PARDIST_TIMEOUT="300", FOLDER=str(tmp_path), PARDIST_SHM=shm)
+    procs = ranks_by_hand(IN_SAVE, [0, 1], 2, **env)
     survivor = procs[0].communicate(timeout=200)[0]
     procs[1].communicate(timeout=60)
     assert procs[1].returncode == -9 and procs[0].returncode != 0, survivor[-3000:]
