@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -43,11 +44,15 @@ def test_launch_runs_a_script_per_gpu_with_its_arguments():
         assert f"rank {rank} of 2 args ['--epochs', '3'] env {env}" in out.stdout
 
 
-def test_one_machine_needs_no_port():
+def test_one_machine_needs_no_port(monkeypatch):
+    monkeypatch.delenv("PARDIST_STORE_SECRET", raising=False)
     args, env = launch.prepare(["--nproc", "3", "--max-restarts", "2", "train.py", "-x"])
     assert (args.nproc_per_node, args.max_restarts) == ("3", 2)  # torchrun's options pass
     assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0")
+    secret = env.pop("PARDIST_STORE_SECRET")  # the run's store secret, drawn per run
+    assert re.fullmatch("[0-9a-f]{32}", secret), secret
     assert env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PARDIST_JOIN_TIMEOUT": "300"}
+    assert launch.prepare(["t.py"])[1]["PARDIST_STORE_SECRET"] != secret  # never reused
     assert launch.prepare(["--nproc-per-node=4", "t.py"])[0].nproc_per_node == "4"
     with socket.socket() as s:  # a port given by hand: torchrun's static rendezvous on it
         s.bind(("127.0.0.1", 0))
