@@ -69,10 +69,17 @@ def batches(kind: str, steps: int, rows: int = 24, dtype=torch.float32) -> list:
 
 
 def train(
-    kind: str, optimizer: str, steps: int = 3, groups: int = G, dtype=torch.float32, fsdp=False
+    kind: str,
+    optimizer: str,
+    steps: int = 3,
+    groups: int = G,
+    dtype=torch.float32,
+    fsdp=False,
+    zero=False,
 ):
     """On every rank: ``steps`` deterministic steps on this rank's slice of each batch
-    (with ``fsdp``, on ``pardist.fsdp`` shards, returned whole)."""
+    (with ``fsdp``, on ``pardist.fsdp`` shards; with ``zero``, the optimizer's state
+    sharded by ``optim.sharded``: either returned whole)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels at every world size
     try:
@@ -85,6 +92,7 @@ def train(
             if optimizer == "sgd"
             else pardist.optim.adamw(3e-3, weight_decay=0.01)
         )
+        opt = pardist.optim.sharded(opt) if zero else opt
         opt_state = opt.init(params)
 
         def loss_fn(p, b, x, y):
@@ -104,7 +112,7 @@ def train(
             mine = (x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows])
             params, buffers, opt_state, loss = step(params, buffers, opt_state, mine)
             losses.append(loss)
-        if fsdp:  # the shards, whole (every rank calls full_tensor: a collective)
+        if fsdp or zero:  # the shards, whole (every rank calls full_tensor: a collective)
             whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
             params, opt_state = torch.utils._pytree.tree_map(whole, (params, opt_state))
         return params, buffers, opt_state, losses
@@ -147,6 +155,21 @@ def test_fsdp_shards_of_any_length_have_the_whole_tensors_bits(run, optimizer, d
     for n in (2, 3, 4):
         for r, result in enumerate(run(n, train, "odd", optimizer, dtype=dtype, fsdp=True)):
             assert_equal(result, one, f"fsdp {optimizer} {dtype} at {n} ranks, rank {r}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_zero_shards_of_any_length_have_the_whole_tensors_bits(run, optimizer, dtype):
+    """optim.sharded (ZeRO) updates each rank's flat slice of every parameter and state
+    tensor, cut where shard_range cuts it: as for pardist.fsdp, each element takes the
+    SIMD lane or scalar tail it takes in the whole tensor, so the parameters are one plain
+    process's and the state that of optim.sharded at one rank, at every world size."""
+    plain = run(1, train, "odd", optimizer, dtype=dtype)[0]
+    one = run(1, train, "odd", optimizer, dtype=dtype, zero=True)[0]
+    assert_equal(one[0], plain[0], f"zero {optimizer} {dtype} at 1 rank: the parameters")
+    for n in (2, 3, 4):
+        for r, result in enumerate(run(n, train, "odd", optimizer, dtype=dtype, zero=True)):
+            assert_equal(result, one, f"zero {optimizer} {dtype} at {n} ranks, rank {r}")
 
 
 @pytest.mark.parametrize("transport", list(TRANSPORTS))

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist.optim import _shard, _sharded_compiled
+from pardist.optim import _aligned, _shard, _sharded_compiled
 from pardist.optim._base import Optimizer
 from pardist.runtime import (
     ShardsGradients,
     _mesh,
     _tree,
     compiled_plan,
+    current_mode,
     donating,
     is_donated,
     pytree,
@@ -197,17 +198,24 @@ def sharded(
         inner_leaves, inner_def = _tree.tree_flatten(state.inner)
         locals_ = [_local(x) for x in inner_leaves]
         sharded_leaves = [x for x in inner_leaves if isinstance(x, DTensor)]
-        mine = p_shards + (
-            [t for t in locals_ if isinstance(t, torch.Tensor)]
-            if is_donated(sharded_leaves)
-            else []
-        )
+        donated = is_donated(sharded_leaves)
+        # The deterministic mode: each slice updated at its place in the whole tensor
+        # (optim._aligned), so that it has one process's bits on every CPU.
+        bp, bg, bs, pw, sw = p_shards, g_shards, locals_, None, None
+        if current_mode().name == "deterministic":
+            pw = [_aligned.Window(*shard_range(p.numel(), size, index), p.numel()) for p in leaves]
+            bp, bg = ([w.widen(t) for w, t in zip(pw, ts)] for ts in (p_shards, g_shards))
+            bs, sw = _aligned.widened(inner_leaves, locals_)
+        mine = bp + ([t for t in bs if isinstance(t, torch.Tensor)] if donated else [])
         with donating(mine), sharded_over(group):  # our rows; the state if given up
             new_p, new_inner = opt.update(
-                _tree.tree_unflatten(g_shards, treedef),
-                _tree.tree_unflatten(locals_, inner_def),
-                _tree.tree_unflatten(p_shards, treedef),
+                _tree.tree_unflatten(bg, treedef),
+                _tree.tree_unflatten(bs, inner_def),
+                _tree.tree_unflatten(bp, treedef),
             )
+        if pw is not None:
+            new_p = [w.narrow(t) for w, t in zip(pw, _tree.tree_leaves(new_p))]
+            new_inner = _aligned.narrowed(_tree.tree_leaves(new_inner), sw, locals_, donated)
         for row, new in zip(p_shards, _tree.tree_leaves(new_p)):
             if new is not row:
                 row.copy_(new)
