@@ -137,12 +137,6 @@ def _loss_compiled():
     return {way: train(way, "compiled loss") for way in ("reentrant", "remat")}, ref
 
 
-@pytest.mark.xfail(
-    torch.__version__ < "2.12",
-    reason="round 6 regression on torch 2.11 only: a reentrant checkpoint inside a compiled "
-    "loss no longer gives the eager numbers (2.13-2.15 and round 5 on 2.11 do); open",
-    strict=True,
-)
 @pytest.mark.timeout(900)
 def test_a_compiled_loss_recomputes_with_the_eager_numbers(run):
     # AOTAutograd partitions the joint graph at the checkpoints (a compiled recomputation);

@@ -64,6 +64,7 @@ __all__ = [
     "inductor_lowering",
     "inductor_overlap_passes",
     "make_wrapper_subclass",
+    "never_a_frame",
     "mark_optimizer_stepped",
     "matches_machine_hostname",
     "outside_dispatch_modes",
@@ -136,6 +137,7 @@ from pardist.runtime._compat_inductor import (  # noqa: E402
     inductor_layout_opt,
     inductor_lowering,
     inductor_overlap_passes,
+    never_a_frame,
 )
 
 

@@ -6,6 +6,8 @@ since which torch it is used as here, and degrades where a torch lacks it.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = [
@@ -14,6 +16,7 @@ __all__ = [
     "inductor_layout_opt",
     "inductor_lowering",
     "inductor_overlap_passes",
+    "never_a_frame",
 ]
 
 # torch._TorchCompileInductorWrapper: the backend torch.compile builds for inductor from
@@ -86,3 +89,31 @@ def inductor_layout_opt(gm: torch.fx.GraphModule) -> bool:
         return bool(GraphLowering.decide_layout_opt(gm, is_inference=True))
     except Exception:  # noqa: BLE001 - no answer: leave the graph as traced
         return False
+
+
+_never_frames: set = set()
+
+
+def never_a_frame(fn) -> None:
+    """Never let dynamo compile ``fn`` as a frame of its own (it still traces it inline).
+
+    A TorchFunctionMode's ``__torch_function__`` runs for every torch call; where a
+    compiled function graph-breaks (torch 2.11 at a reentrant checkpoint), dynamo caught
+    each of those calls as a new frame, compiled it (a one-op graph per argument count,
+    with inductor's rounding) and, past its recompile limit, ran the rest eagerly: a
+    compiled loss then gave other numbers than without the checkpoint. A skipped frame
+    runs as plain Python, and so does what it calls. torch._dynamo's
+    ``set_code_exec_strategy`` (``skip_code`` with the callees skipped too), as used since
+    2.6; only once dynamo is imported (a process that never compiles never imports it).
+    """
+    code = fn.__code__
+    if code in _never_frames or "torch._dynamo" not in sys.modules:
+        return
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # another torch: its frames as dynamo decides
+        _never_frames.add(code)
+        return
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    _never_frames.add(code)

@@ -24,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pardist.collectives import AxisIndex, _vma, needs_grad, reduce_groups
-from pardist.runtime import _warnings
+from pardist.runtime import _compat, _warnings
 from pardist.transport import Pvary
 
 __all__ = ["Tracker"]
@@ -128,6 +128,7 @@ class Tracker(TorchFunctionMode):
     def __init__(self, state: _vma.Tracking, where: str):
         super().__init__()
         self.state, self.where = state, where
+        _compat.never_a_frame(Tracker.__torch_function__)  # inline in a graph, never a frame
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
