@@ -120,12 +120,14 @@ def test_a_torch_store_on_the_port_is_joined_not_refused():
         check_endpoint("127.0.0.1", store.port, must_host=True, where="t", option="--rdzv-endpoint")
 
 
-def _failure(tmp_path, local_rank: int, exitcode: int, message: str | None, timestamp: int):
+def _failure(
+    tmp_path, local_rank: int, exitcode: int, message: str | None, timestamp: int, **pardist
+):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     error_file = tmp_path / f"error{local_rank}.json"
     if message is not None:  # what a worker that raised writes (torch's record format)
-        extra = {"py_callstack": message, "timestamp": str(timestamp)}
+        extra = {"py_callstack": message, "timestamp": str(timestamp), **pardist}
         error_file.write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
     return ProcessFailure(local_rank, 1000 + local_rank, exitcode, str(error_file))
 
@@ -156,6 +158,35 @@ def test_a_killed_rank_is_named_though_its_peer_lost_the_connection_in_an_earlie
     assert line.startswith(
         "pardist.launch: rank 0 (local rank 0, pid 1000) failed first: ValueError"
     )
+
+
+def test_a_stopped_rank_that_comes_back_is_named_not_what_it_then_saw(tmp_path):
+    # Rank 1 was stopped (SIGSTOP) and rank 0 timed out waiting for it, then left the
+    # step; rank 1, continued before the launcher stopped it (a loaded machine), found
+    # rank 0 gone from the call and raised StepMismatch. That is what the timeout did,
+    # not a fault of its own: the line names rank 1 as the rank that stopped responding.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from pardist.launch._failures import explain
+
+    timeout = _failure(
+        tmp_path, 0, 1, "CollectiveTimeout: pardist: pardist.grad waited 30 s for rank 1", 10,
+        pardist_late_ranks=[1], pardist_timeout_s=30, pardist_waited_in="pardist.grad",
+    )  # fmt: skip
+    for then in (
+        "StepMismatch: pardist: rank 0 left call 3 of the step without it while rank 1 waits",
+        "CollectiveTimeout: pardist: pardist.grad lost the connection to another rank",
+    ):
+        line, code = explain(
+            ChildFailedError("t.py", {0: timeout, 1: _failure(tmp_path, 1, 1, then, 25)}), "l"
+        )
+        assert line.startswith("l: rank 1 (local rank 1, pid 1001) stopped responding"), line
+        assert "rank 0 (local rank 0, pid 1000) waited 30 s (PARDIST_TIMEOUT) in pardist" in line
+        assert code == 1
+    # A late rank that raised an error of its own is named with it.
+    own = _failure(tmp_path, 1, 1, "ValueError: bad batch", 25)
+    line, _ = explain(ChildFailedError("t.py", {0: timeout, 1: own}), "l")
+    assert line.startswith("l: rank 1 (local rank 1, pid 1001) failed first: ValueError"), line
 
 
 _LATE = """

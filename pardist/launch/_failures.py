@@ -50,6 +50,9 @@ def _ended_by_another(failure) -> bool:
     return message is not None and message.startswith("CollectiveTimeout")
 
 
+_CONSEQUENCES = ("StepMismatch", "CollectiveTimeout")  # errors a late rank gets from the others
+
+
 def _failed_by_itself(failure) -> bool:
     """Whether a late rank failed on its own, not by the launcher or by waiting for another.
 
@@ -60,8 +63,9 @@ def _failed_by_itself(failure) -> bool:
     before the others time out is reported first, and never gets here).
     """
     message, extra = _recorded(failure)
-    if message is not None:
-        return "pardist_late_ranks" not in extra
+    if message is not None:  # what the waiting rank's timeout did to it is not its own:
+        # continued after the others gave up, it finds them gone from the call it is in
+        return "pardist_late_ranks" not in extra and not message.startswith(_CONSEQUENCES)
     return failure.exitcode > 0 or failure.signal_name() not in ("SIGTERM", "SIGKILL")
 
 
