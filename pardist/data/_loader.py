@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler
 
-from pardist.data import _even, _gather, _position, _sources
+from pardist.data import _even, _gather, _position, _regroup, _sources
 from pardist.data._download import untar
 from pardist.data._even import Even, check_even, even
 from pardist.data._position import skip_first_batches
-from pardist.runtime import _mesh, _placement, _process, _seed, debug_enabled
+from pardist.runtime import _mesh, _placement, _process, _seed, _survive, debug_enabled
 from pardist.transport import agree
 
 __all__ = ["Even", "ShardedLoader", "check_even", "even", "shard", "skip_first_batches", "untar"]
@@ -46,6 +46,9 @@ _DECIDED = {
     "drop_last",
     "generator",
 }
+
+
+_END = object()
 
 
 class _Indices(Sampler[int]):
@@ -137,14 +140,29 @@ class ShardedLoader:
         self._check = check
         self._indices, self._generator = _Indices(), torch.Generator()
         self.device, self._only_cpu = device
-        self._inner = DataLoader(
+        self._options = _placement.pinned(_options(loader), self.device)
+        self._inner = self._make_inner()
+        # --keep-going (data._regroup): the pass under way, how it was cut, the last batch.
+        self._global_batch = batch_size
+        self._pass_order = self._layout = self._last_batch = None
+        self._moved = False
+        if check and axis is None and _survive.enabled():
+            _regroup.track(self)
+
+    def _make_inner(self) -> DataLoader:
+        return DataLoader(
             self.dataset,
             batch_size=self.batch_size,
             sampler=self._indices,
-            drop_last=self.drop_last and not split_batches,
+            drop_last=self.drop_last and not self.split_batches,
             generator=self._generator,
-            **_placement.pinned(_options(loader), self.device),
+            **self._options,
         )
+
+    def resize(self, rank: int, world_size: int) -> None:
+        """Be rank ``rank`` of ``world_size`` from the next pass on (a group of survivors)."""
+        _regroup.resize(self, rank, world_size)
+        self._inner = self._make_inner()
 
     def __len__(self) -> int:
         """The number of batches of an epoch, as a DataLoader's ``len()``; a pass resumed
@@ -246,17 +264,28 @@ class ShardedLoader:
         share = self._check and _process.is_initialized() and dist.get_world_size() > 1
         if share:
             self._agree(epoch)
-        self._indices.indices = self._cut(self._order(epoch, share), skip).tolist()
+        order = self._order(epoch, share)
+        self._indices.indices = self._cut(order, skip).tolist()
         self._current, self._position = epoch, skip
+        self._pass_order, self._layout, self._moved = order, None, False
         # Workers are seeded from a draw of the loader's generator (as torch does),
         # mixed with the rank, so that augmentation differs between ranks.
         draw = int(torch.empty((), dtype=torch.int64).random_(generator=self.loader.generator))
         self._generator.manual_seed(_seed.rank_seed(draw, self.rank))
         batches = _placement.moved(iter(self._inner), self.device, self._only_cpu)
         batches = _even.lockstep(batches, _WHERE) if share and debug_enabled() else batches
-        for batch in batches:
+        keep = _survive.enabled()
+        while True:
+            if self._moved:  # the survivors of a lost rank go on (data._regroup)
+                self._moved, batches = False, _regroup.rest(self)
+            batch = next(batches, _END)
+            if batch is _END:
+                break
             self._position += 1
+            if keep:
+                self._last_batch = batch
             yield batch
+        self._pass_order = self._layout = self._last_batch = None
 
     def gather(self, tree: Any) -> Any:
         """Every rank's outputs for the batch this loader last handed out, without the rows

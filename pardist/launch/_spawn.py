@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from pardist.runtime import _join, _listen
+from pardist.runtime import _join, _listen, _survive
 from pardist.transport import _segments
 
 __all__ = ["SpawnError", "Workers", "spawn"]
@@ -185,6 +186,9 @@ class Workers:
         hash_seeds: one ``PYTHONHASHSEED`` per rank ('spawn' only: a forked process
             keeps its parent's), so that the ranks order sets differently, as
             torchrun's ranks do (each is a fresh interpreter with its own seed).
+        keep_going: a rank that dies is left behind (``lost``: rank to how it died) and
+            the others go on without it, inside the call of the step that saw it go
+            (``runtime._survive``); its result is None.
     """
 
     def __init__(
@@ -195,6 +199,7 @@ class Workers:
         env: dict[str, str] | None = None,
         timeout: float = 300.0,
         hash_seeds: list[int] | None = None,
+        keep_going: bool = False,
     ):
         if not isinstance(nprocs, int) or nprocs < 1:
             raise ValueError(f"pardist.spawn: nprocs={nprocs!r}; give at least 1 process.")
@@ -213,6 +218,9 @@ class Workers:
         self._conns, self._procs = [], []
         # The run's store secret (runtime._join.secret_keys): the same for every rank.
         secret = {_join.SECRET: os.environ.get(_join.SECRET) or secrets.token_hex(16)}
+        self.keep_going, self.lost = keep_going, {}  # lost: rank -> how it died
+        if keep_going:
+            secret[_survive.ENV] = "1"
         for rank in range(nprocs):
             parent, child = ctx.Pipe()
             # Not daemonic, so that the function may start processes of its own
@@ -239,6 +247,7 @@ class Workers:
             wait_for_workers=False,
         )
         self._port = self._store.port
+        self._word = _survive.launcher_view(self._store, secret[_join.SECRET])
         for conn in self._conns:
             conn.send_bytes(pickle.dumps(self._port))
         self._collect("start")
@@ -250,7 +259,7 @@ class Workers:
 
     def _collect(self, what: str, timeout: float | None = None) -> list[Any]:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        waiting = dict(enumerate(self._conns))
+        waiting = {r: c for r, c in enumerate(self._conns) if r not in self.lost}
         results: list[Any] = [None] * self.nprocs
         errors: dict[int, str] = {}
         while waiting:
@@ -279,6 +288,9 @@ class Workers:
                     code = self._procs[rank].exitcode
                     self._procs[rank].join(1)
                     code = self._procs[rank].exitcode if code is None else code
+                    if self.keep_going and len(self.lost) + 1 < self.nprocs:
+                        self._publish(rank, _survive.how_it_died(code))
+                        continue
                     status, value = (
                         "err",
                         (
@@ -303,6 +315,13 @@ class Workers:
             )
         return results
 
+    def _publish(self, rank: int, how: str) -> None:
+        """Tell the survivors (``runtime._survive``) that ``rank`` is gone and who is left."""
+        self.lost[rank] = how
+        members = [r for r in range(self.nprocs) if r not in self.lost]
+        word = {"members": members, "lost": {str(r): h for r, h in self.lost.items()}}
+        self._word.set(_survive.members_key(len(self.lost)), json.dumps(word))
+
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; each rank's result, in rank order.
 
@@ -314,8 +333,9 @@ class Workers:
             raise RuntimeError("pardist.spawn: these workers were closed; start new ones.")
         payload = _pickler.dumps((fn, args, kwargs))
         try:
-            for conn in self._conns:
-                conn.send_bytes(payload)
+            for rank, conn in enumerate(self._conns):
+                if rank not in self.lost:
+                    conn.send_bytes(payload)
             return self._collect(f"{getattr(fn, '__name__', 'the call')}", timeout)
         except (KeyboardInterrupt, BrokenPipeError):
             self.close()  # the workers are mid-call; they cannot be reused
@@ -347,6 +367,7 @@ def spawn(
     start_method: str | None = None,
     timeout: float = 3600.0,
     env: dict[str, str] | None = None,
+    keep_going: bool = False,
 ) -> Any:
     """Run ``fn(*args)`` in ``nprocs`` local processes and return rank 0's result.
 
@@ -364,6 +385,9 @@ def spawn(
         start_method: 'fork' by default (see :class:`Workers`).
         timeout: seconds before a call that has not returned is stopped.
         env: extra environment variables for the workers (e.g. ``PARDIST_TIMEOUT``).
+        keep_going: a rank that dies is left behind and the others train on without it,
+            inside the step that saw it go (docs/keep_going.md); the result is then the
+            first surviving rank's (the new rank 0's).
 
     Returns:
         ``fn``'s result on rank 0.
@@ -376,5 +400,8 @@ def spawn(
         >>> pardist.spawn(pardist.world_size, 2)
         2
     """
-    with Workers(nprocs, start_method=start_method, env=env, timeout=timeout) as workers:
-        return workers.run(fn, *args)[0]
+    with Workers(
+        nprocs, start_method=start_method, env=env, timeout=timeout, keep_going=keep_going
+    ) as workers:
+        results = workers.run(fn, *args)
+        return results[min(set(range(nprocs)) - set(workers.lost))]

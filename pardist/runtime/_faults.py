@@ -78,6 +78,10 @@ class StepMismatch(CollectiveMismatch):
     """The ranks are at different calls of one step (one raised inside a call and went on)."""
 
 
+# A step's errors that a lost peer causes, and that --keep-going survives (step._survivor).
+KEEP_GOING_ON = (CollectiveTimeout, CollectiveMismatch)
+
+
 def label_group(group: dist.ProcessGroup, label: str) -> None:
     """Remember that ``group`` serves the mesh axis ``label`` (for error messages)."""
     labels = _labels.setdefault(group.group_name, [])
@@ -126,6 +130,14 @@ def hint(late: list[int] | None) -> str:
         f"collective. If they are only slow (a long first step, a checkpoint written by "
         f"one rank), raise PARDIST_TIMEOUT (seconds; now {seconds:.0f})."
     )
+
+
+def _late(group: dist.ProcessGroup) -> list[int] | None:
+    """:func:`late_ranks_of`, except under --keep-going: the launcher says who died, and
+    the survivors' step must not wait the probe's seconds (runtime._survive)."""
+    from pardist.runtime import _survive
+
+    return None if _survive.enabled() else late_ranks_of(group)
 
 
 def late_ranks_of(group: dist.ProcessGroup, wait: float = PROBE_S) -> list[int] | None:
@@ -190,7 +202,7 @@ def collective_errors(what: str, group: dist.ProcessGroup | None) -> Iterator[No
         timed_out = any(w in text for w in _TIMEOUT_WORDS)
         if group is None or not (timed_out or any(w in text for w in _LOST_WORDS)):
             raise
-        late = late_ranks_of(group)
+        late = _late(group)
         where = describe_group(group.group_name, dist.get_process_group_ranks(group))
         event = (
             f"timed out after {timeout_seconds():.0f} s (PARDIST_TIMEOUT)"

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pardist.runtime import _faults, _join, _listen
+from pardist.runtime import _faults, _join, _listen, _survive
 from pardist.runtime._faults import DEFAULT_TIMEOUT_S
 
 __all__ = [
@@ -73,6 +73,7 @@ _owns_group = False
 _shutdown_hooks: list[Callable[[], None]] = []
 _atexit_registered = False
 _debug_level_before = None  # torch's debug level before PARDIST_DEBUG=1 raised it
+_started: dict = {}  # the backend and timeout init_process_group was given
 
 
 class GroupRef:
@@ -197,6 +198,7 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
             _debug_level_before = dist.get_debug_level()
             dist.set_debug_level(dist.DebugLevel.DETAIL)
         _faults.set_timeout(kwargs["timeout"].total_seconds())
+        _started.update(kwargs)
         _listen.gloo_on_loopback()
         _faults.record_uncaught()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -211,6 +213,7 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
                 # once closed a pair its peer was still connecting ("connectFullMesh
                 # failed ... Connection closed by peer", seen on a loaded machine).
                 _join.all_here(store, world, kwargs["timeout"], f"pardist/connected/{start}", rank_)
+                _survive.remember(store, world)
             else:
                 dist.init_process_group(**kwargs)
         else:
@@ -222,6 +225,24 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
         if not _atexit_registered:  # torn down while the interpreter is whole, not during exit
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def leave() -> None:
+    """Leave the default group for good (a peer was lost: ``_survive``): what was cached
+    for it is dropped and its connections close, so a rank still waiting in one of its
+    collectives learns at once that this one has gone."""
+    for hook in _shutdown_hooks:
+        hook()
+    _faults.forget_labels()
+    if is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # what held the old group in reference cycles
+
+
+def join(store, rank_: int, world: int) -> None:
+    """A new default group over ``store`` with the backend and timeout of the first."""
+    dist.init_process_group(store=store, rank=rank_, world_size=world, **_started)
+    _join.all_here(store, world, _started["timeout"], "pardist/connected", rank_)
 
 
 def _debug() -> bool:

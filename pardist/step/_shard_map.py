@@ -41,12 +41,13 @@ from pardist.runtime import (
     _mesh,
     _process,
     _rng,
+    _survive,
     _tree,
     debug_enabled,
     entered,
     tracing,
 )
-from pardist.step import _checks, _devices, _handshake, _specs
+from pardist.step import _checks, _devices, _handshake, _specs, _survivor
 from pardist.step._donation import Consumed
 from pardist.step._specs import P
 from pardist.step._tracker import Tracker
@@ -93,6 +94,9 @@ class Step:
         self.key = None  # for the marks of its calls (see _handshake), at its first call
         self._groups: dict = {}
         self._specs_cache: dict = {}
+        if _survive.enabled():  # a failed call is redone from its inputs (step._survivor)
+            self.donate_argnums = ()
+        self._last = None
         self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
         self.compiled = _step.compiled_step(compile, self.where)
         self.check_vma, self.axis_names = check_vma, axis_names
@@ -216,12 +220,21 @@ class Step:
             return self._call(mesh, axes, args, kwargs)
         if self.key is None:
             self.key = _handshake.key(self.where, self.fn)
-        group = ref.get()
-        # A peer lost inside the call, in pardist's words whichever collective saw it
-        # (FSDP's reduce-scatter over gloo: "Connection reset by peer").
-        with _handshake.stepping(group, self.key, self.entered, self.where):
-            with _faults.collective_errors(self.where, group):
-                return self._call(mesh, axes, args, kwargs)
+        group, count = ref.get(), _rng.rng_count()
+        try:
+            # A peer lost inside the call, in pardist's words whichever collective saw it
+            # (FSDP's reduce-scatter over gloo: "Connection reset by peer").
+            with _handshake.stepping(group, self.key, self.entered, self.where):
+                with _faults.collective_errors(self.where, group):
+                    out = self._call(mesh, axes, args, kwargs)
+        except _faults.KEEP_GOING_ON as error:
+            if not _survive.enabled():
+                raise
+            del group  # the old group must go (its sockets closed) when the survivors leave
+            return _survivor.survive(self, error, args, kwargs, count)  # (--keep-going)
+        if _survive.enabled():
+            self._last = out  # what a survivor behind would need (step._survivor)
+        return out
 
     def _call(self, mesh, axes, args: tuple, kwargs: dict):
         leaves, treedef = _tree.tree_flatten(args)

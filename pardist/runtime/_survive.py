@@ -1,0 +1,203 @@
+"""Keep going when a rank dies: the survivors leave the broken group and form a smaller one.
+
+Under ``python -m pardist.launch --keep-going`` or ``pardist.spawn(..., keep_going=True)``
+the launcher hosts the run's store (it outlives every rank) and is the parent of every
+rank, so it learns of a death at once (the child's pipe closes, ``waitpid``) and for
+certain (a rank that is only slow is never taken for dead). It then publishes the next
+*membership*: the launch ranks still running, under a generation number. A rank whose
+step saw a peer go (``CollectiveTimeout`` from the shared-memory liveness check or a
+closed gloo connection, or the ``StepMismatch`` of a peer that left to regroup) calls
+:func:`regroup`: it waits for that membership, leaves the old process group, and starts
+a new one over the survivors (its rank: its place among them), through a store prefix
+of the generation, so no key of the old group is read again. What the survivors then do
+with the step that failed is the step's business (``step._survivor``).
+
+A membership is what the launcher saw, not what ranks vote: the design of torchelastic's
+agent (the parent watches its children) applied per step instead of per restart. A
+second death during the regroup is a newer generation, which the waiting ranks take.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from pardist.runtime import _faults, _warnings
+
+__all__ = [
+    "ENV",
+    "RankLostWarning",
+    "enabled",
+    "how_it_died",
+    "launch_rank",
+    "launcher_view",
+    "members_key",
+    "on_regroup",
+    "on_reread",
+    "regroup",
+    "reread",
+    "remember",
+]
+
+ENV = "PARDIST_KEEP_GOING"
+_WAIT_S = 20.0  # how long a rank whose step failed waits for the launcher's word
+_state: dict = {"store": None, "generation": 0, "members": None}
+_hooks: list[Callable[[int, int], None]] = []
+_rereaders: list[Callable] = []
+
+
+class RankLostWarning(UserWarning):
+    """A rank was lost and the survivors went on without it (``--keep-going``)."""
+
+
+def enabled() -> bool:
+    """Whether this rank was started to keep going when a peer dies."""
+    return os.environ.get(ENV, "") not in ("", "0")
+
+
+def launch_rank() -> int:
+    """This process's rank when the run started (``RANK``): its name in memberships."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def how_it_died(code: int | None) -> str:
+    """A rank's exit code (negative: the signal), in words."""
+    if code is None:
+        return "gone"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def members_key(generation: int) -> str:
+    return f"pardist/keep-going/members/{generation}"
+
+
+def launcher_view(store, secret: str, attempt: str = "0"):
+    """The launcher's view of ``store`` with the keys the ranks read (``_process.start``)."""
+    view = dist.PrefixStore(f"pardist/attempt_{attempt}/", store)
+    return dist.PrefixStore(f"pardist-run-{secret}", view) if secret else view
+
+
+def remember(store, world: int) -> None:
+    """At the group's start: the run's store, through which later groups are formed."""
+    _state.update(store=store, generation=0, members=list(range(world)))
+
+
+def on_regroup(hook: Callable[[int, int], None]) -> None:
+    """Call ``hook(rank, world_size)`` once a new group over the survivors has started."""
+    if hook not in _hooks:
+        _hooks.append(hook)
+
+
+def on_reread(reader: Callable) -> None:
+    """``reader(batch)``: this rank's share, in the new group, of the global batch that
+    ``batch`` was a share of (a loader's), or None where ``batch`` is not one of its."""
+    if reader not in _rereaders:
+        _rereaders.append(reader)
+
+
+def reread(batch):
+    """This rank's new share of the global batch ``batch`` came from, or None (see on_reread)."""
+    for reader in _rereaders:
+        again = reader(batch)
+        if again is not None:
+            return again
+    return None
+
+
+def _latest(store, after: int) -> int:
+    generation = after
+    while store.check([members_key(generation + 1)]):
+        generation += 1
+    return generation
+
+
+def _wait_for_word(store, error: BaseException) -> int:
+    """The newest generation after ours, once the launcher has published one."""
+    deadline = time.monotonic() + _WAIT_S
+    while True:
+        newest = _latest(store, _state["generation"])
+        if newest > _state["generation"]:
+            return newest
+        if time.monotonic() > deadline:  # nobody died: a real mismatch, or a hang
+            raise error
+        time.sleep(0.02)
+
+
+def _let_go(error: BaseException | None) -> None:
+    """Drop the frames of ``error``'s tracebacks: they hold the old process group, whose
+    gloo connections close only once nothing does (a survivor still waiting in one of its
+    collectives then learns at once that the others have left)."""
+    while error is not None:
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
+def _all_here(store, generation: int, members: list[int]) -> bool:
+    """Wait until every member of ``generation`` signed in; False if a newer one came."""
+    prefix = f"pardist/keep-going/here/{generation}"
+    store.set(f"{prefix}/{launch_rank()}", "1")
+    deadline = time.monotonic() + _faults.timeout_seconds()
+    while True:
+        if store.check([members_key(generation + 1)]):
+            return False
+        if all(store.check([f"{prefix}/{m}"]) for m in members):
+            return True
+        if time.monotonic() > deadline:
+            late = [m for m in members if not store.check([f"{prefix}/{m}"])]
+            raise _faults.CollectiveTimeout(
+                f"pardist (--keep-going): the survivors' new group (generation {generation}) "
+                f"waited {_faults.timeout_seconds():.0f} s for launch rank(s) {late}.",
+                late,
+                "the survivors' regroup",
+            )
+        time.sleep(0.01)
+
+
+def regroup(error: BaseException, leave: Callable, start: Callable) -> dict:
+    """After ``error`` (a peer lost inside a step): the group over the survivors.
+
+    Raises ``error`` itself where this rank does not keep going or where the launcher
+    published no new membership (nobody died). ``leave()`` leaves the old process group
+    and ``start(store, rank, world)`` starts the new one. Returns what the launcher said:
+    ``members`` (launch ranks, in the new rank order), ``lost`` (launch rank to how it
+    died), ``generation``.
+    """
+    store = _state["store"]
+    if not enabled() or store is None:
+        raise error
+    generation = _wait_for_word(store, error)
+    _let_go(error)
+    leave()  # first: a survivor still in one of its collectives is waiting for this one
+    while True:
+        word = json.loads(store.get(members_key(generation)))
+        members = word["members"]
+        if launch_rank() not in members:  # the launcher counted this rank out
+            os._exit(1)
+        if _all_here(store, generation, members):
+            break
+        generation = _latest(store, generation)
+    rank, world = members.index(launch_rank()), len(members)
+    before = _state["members"]
+    start(dist.PrefixStore(f"pardist/keep-going/group/{generation}", store), rank, world)
+    _state.update(generation=generation, members=members)
+    gone = [k for k, m in enumerate(before) if m not in members]
+    how = "; ".join(f"rank {k}: {word['lost'].get(str(before[k]), 'lost')}" for k in gone)
+    _warnings.warn(
+        f"pardist (--keep-going): lost rank(s) {gone} ({how}); going on with {world} "
+        f"rank(s), this one now rank {rank}.",
+        RankLostWarning,
+    )
+    for hook in _hooks:
+        hook(rank, world)
+    return dict(word, generation=generation)

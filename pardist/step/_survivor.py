@@ -1,0 +1,85 @@
+"""A step's call that lost a rank, under ``--keep-going``: redone over the survivors.
+
+The call raised because a peer died (``runtime._survive`` has the launcher's word and
+the survivors' new group). What each survivor then does depends on how far it got:
+
+* The survivors compare how many calls of the step each has entered. A death inside the
+  last collective of a call can let some ranks finish that call (over gloo, the ranks a
+  ring's last message reached) while others did not: those behind take the finished
+  call's result from one that has it (it was computed with every rank, the lost one
+  included, so it is the uninterrupted run's), and return it.
+* The others redo their call from its inputs, which a pure step has not changed (the
+  donation of arguments is off under ``--keep-going``, so the optimizers never write
+  into them), over the new group, on this rank's share of the *same* global batch:
+  ``pardist.data.shard``'s loader re-reads it for the new world size, the lost rank's
+  rows included. The step's random streams are rewound to the call's start, so the
+  deterministic mode's row groups draw the same masks.
+
+Under ``deterministic=G`` (with a world size that still divides G) the redone call has
+the uninterrupted run's bits; in the default mode, a run at the survivors' size's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from pardist.runtime import _mesh, _process, _rng, _survive
+from pardist.step._specs import P
+
+__all__ = ["survive"]
+
+
+def _sharded(spec: Any) -> bool:
+    """Whether a spec tree splits anything (``P()`` and None replicate)."""
+    if isinstance(spec, P):
+        return any(e is not None for e in spec)
+    if isinstance(spec, dict):
+        return any(map(_sharded, spec.values()))
+    return isinstance(spec, (tuple, list)) and any(map(_sharded, spec))
+
+
+def _reread(step, args: tuple, axes: tuple) -> tuple:
+    """``args`` with each batch from ``pardist.data.shard`` replaced by this rank's new share."""
+    specs = step.full_specs(args, axes)
+    out = list(args)
+    for i, (arg, spec) in enumerate(zip(args, specs)):
+        again = _survive.reread(arg)
+        if again is not None:
+            out[i] = again
+        elif _sharded(spec):
+            raise ValueError(
+                f"{step.where} (--keep-going): a rank was lost, and argument {i} of the call "
+                "is a shard of the batch that did not come from a pardist.data.shard loader, "
+                "so the survivors cannot re-read the lost rank's rows. Feed the step the "
+                "batches of pardist.data.shard(loader, split_batches=True)."
+            )
+    return tuple(out)
+
+
+def survive(step, error: BaseException, args: tuple, kwargs: dict, count: int) -> Any:
+    """The result of the failed call, over the survivors (``error`` if nobody died)."""
+    if step.mesh is not None:  # made over the old group: it cannot follow the survivors
+        raise error
+    _survive.regroup(error, _process.leave, _process.join)
+    step._groups.clear()
+    step._specs_cache.clear()
+    step.reducers.clear()
+    calls = [None] * dist.get_world_size()
+    dist.all_gather_object(calls, step.entered)
+    behind, ahead = min(calls), max(calls)
+    if ahead - behind > 1:
+        raise error
+    if behind < ahead:  # some finished the call that the others were still in
+        box = [step._last if step.entered == ahead else None]
+        dist.broadcast_object_list(box, src=calls.index(ahead))
+        if step.entered == behind:
+            step.calls += 1
+            _rng.set_rng_count(count + 1)
+            step._last = box[0]
+            return box[0]
+    _rng.set_rng_count(count)
+    step.entered -= 1
+    mesh = _mesh.current_mesh(step.where.removeprefix("pardist."))
+    return step(*_reread(step, args, step.data_axes(mesh)), **kwargs)
