@@ -263,7 +263,7 @@ class ShardedLoader:
         self._skip = None
         share = self._check and _process.is_initialized() and dist.get_world_size() > 1
         if share:
-            self._agree(epoch)
+            _survive.again_if_lost(lambda: self._agree(epoch), _WHERE)
         order = self._order(epoch, share)
         self._indices.indices = self._cut(order, skip).tolist()
         self._current, self._position = epoch, skip

@@ -85,6 +85,13 @@ def _parser():
         help="seconds to wait for every node to join, at the start and after "
         f"a restart (default {DEFAULT_JOIN_TIMEOUT_S}); then the job fails.",
     )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="one machine: a rank that dies is left behind and the others train on "
+        "without it, from the step that saw it go (docs/keep_going.md); the job "
+        "exits 0 when the survivors finish.",
+    )
     # None means "not given", so that --rdzv-endpoint alone can choose c10d.
     parser.set_defaults(rdzv_backend=os.environ.get("PET_RDZV_BACKEND"))
     return parser
@@ -154,6 +161,11 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
         args.nproc_per_node = str(max(count, 1))
 
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
+    if args.keep_going and (max_nodes != 1 or args.max_restarts):
+        raise SystemExit(
+            f"{WHERE}: --keep-going runs on one machine and restarts nothing (a lost rank "
+            "is left behind); drop --nnodes/--max-restarts, or --keep-going."
+        )
     if args.rdzv_backend is None:
         single = max_nodes == 1 and args.master_port is None
         args.rdzv_backend = "c10d" if args.rdzv_endpoint or single else "static"
@@ -326,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except PortInUseError as exc:
         print(exc, file=sys.stderr)
         raise SystemExit(2) from None
+    if args.keep_going:
+        from pardist.launch import _keep
+
+        raise SystemExit(_keep.run(args, env))
     os.environ.update(env)  # the agent reads them, and its workers inherit them
     os.environ["PARDIST_LAUNCHER_PID"] = str(os.getpid())  # ranks die with it (_process)
     host, port = _split_endpoint(args.rdzv_endpoint, 29400)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from pardist.runtime import _join, _listen, _survive
-from pardist.transport import _segments
+from pardist.transport import _alive, _segments
 
 __all__ = ["SpawnError", "Workers", "spawn"]
 
@@ -219,6 +219,7 @@ class Workers:
         # The run's store secret (runtime._join.secret_keys): the same for every rank.
         secret = {_join.SECRET: os.environ.get(_join.SECRET) or secrets.token_hex(16)}
         self.keep_going, self.lost = keep_going, {}  # lost: rank -> how it died
+        self._stopped, self._fenced = _alive.Stopped(), {}
         if keep_going:
             secret[_survive.ENV] = "1"
         for rank in range(nprocs):
@@ -263,7 +264,12 @@ class Workers:
         results: list[Any] = [None] * self.nprocs
         errors: dict[int, str] = {}
         while waiting:
-            ready = mpc.wait(list(waiting.values()), timeout=max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            ready = mpc.wait(list(waiting.values()), timeout=min(left, 0.2))
+            if not ready and self.keep_going:
+                self._fence(waiting)
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready:
                 seconds = self.timeout if timeout is None else timeout
                 self.close(wait=0.5)
@@ -289,7 +295,7 @@ class Workers:
                     self._procs[rank].join(1)
                     code = self._procs[rank].exitcode if code is None else code
                     if self.keep_going and len(self.lost) + 1 < self.nprocs:
-                        self._publish(rank, _survive.how_it_died(code))
+                        self._publish(rank, self._fenced.get(rank) or _survive.how_it_died(code))
                         continue
                     status, value = (
                         "err",
@@ -314,6 +320,15 @@ class Workers:
                 errors=errors,
             )
         return results
+
+    def _fence(self, waiting: dict) -> None:
+        """Kill a rank stopped (SIGSTOP) for long: the others then go on without it."""
+        for rank in waiting:
+            if self._stopped.held(rank, _alive.state(self._procs[rank].pid) == "T"):
+                self._procs[rank].kill()
+                self._fenced[rank] = (
+                    f"stopped (SIGSTOP) for {_alive.STOPPED_S:.0f} s, then killed by pardist.spawn"
+                )
 
     def _publish(self, rank: int, how: str) -> None:
         """Tell the survivors (``runtime._survive``) that ``rank`` is gone and who is left."""

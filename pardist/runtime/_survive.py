@@ -31,6 +31,7 @@ from pardist.runtime import _faults, _warnings
 __all__ = [
     "ENV",
     "RankLostWarning",
+    "again_if_lost",
     "enabled",
     "how_it_died",
     "launch_rank",
@@ -113,6 +114,21 @@ def reread(batch):
         if again is not None:
             return again
     return None
+
+
+def again_if_lost(fn: Callable, where: str):
+    """``fn()`` outside any step (a loader's check at the start of a pass); where a peer
+    was lost in it under --keep-going, ``fn()`` again over the survivors."""
+    if not enabled() or _state["store"] is None:
+        return fn()
+    try:
+        with _faults.collective_errors(where, dist.group.WORLD):
+            return fn()
+    except _faults.KEEP_GOING_ON as error:
+        from pardist.runtime import _process
+
+        regroup(error, _process.leave, _process.join)
+    return fn()
 
 
 def _latest(store, after: int) -> int:
