@@ -136,9 +136,13 @@ def explain(exc, where: str) -> tuple[str, int]:
     late = extra.get("pardist_late_ranks")
     if late is None:  # the first to fail failed on its own
         return f"{where}: {_culprit_line(rank, failures)}. The other ranks were stopped.", code
+    why = (
+        f"{extra['pardist_stopped_s']:.0f} s, seeing it stopped (SIGSTOP),"
+        if "pardist_stopped_s" in extra
+        else f"{extra.get('pardist_timeout_s', 0):.0f} s (PARDIST_TIMEOUT)"
+    )
     waited = (
-        f"{_who(rank, failures)} waited {extra.get('pardist_timeout_s', 0):.0f} s "
-        f"(PARDIST_TIMEOUT) in {extra.get('pardist_waited_in') or 'a collective'}"
+        f"{_who(rank, failures)} waited {why} in {extra.get('pardist_waited_in') or 'a collective'}"
     )
     if not late:
         return (

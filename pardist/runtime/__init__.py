@@ -77,6 +77,7 @@ from pardist.runtime._warnings import (
     DuplicateBatchWarning,
     GradientSumWarning,
     NonFiniteLossWarning,
+    RankLostWarning,
 )
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "Mesh",
     "Mode",
     "NonFiniteLossWarning",
+    "RankLostWarning",
     "ShardsGradients",
     "Signature",
     "StepContext",

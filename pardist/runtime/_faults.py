@@ -63,11 +63,19 @@ class CollectiveTimeout(RuntimeError):
     Attributes:
         late_ranks: the global ranks that never arrived (None where unknown).
         waited_in: the collective and axis it waited in ("pardist.psum over axis 'gpu'").
+        stopped_s: where a late rank was seen stopped (SIGSTOP), how long it was waited
+            for; else None (the wait was the timeout's).
     """
 
-    def __init__(self, message: str, late_ranks: list[int] | None = None, waited_in: str = ""):
+    def __init__(
+        self,
+        message: str,
+        late_ranks: list[int] | None = None,
+        waited_in: str = "",
+        stopped_s: float | None = None,
+    ):
         super().__init__(message)
-        self.late_ranks, self.waited_in = late_ranks, waited_in
+        self.late_ranks, self.waited_in, self.stopped_s = late_ranks, waited_in, stopped_s
 
 
 class CollectiveMismatch(RuntimeError):
@@ -267,6 +275,8 @@ def record_uncaught() -> None:
                 extra["pardist_late_ranks"] = timeout.late_ranks
                 extra["pardist_waited_in"] = timeout.waited_in
                 extra["pardist_timeout_s"] = timeout_seconds()
+                if timeout.stopped_s is not None:
+                    extra["pardist_stopped_s"] = timeout.stopped_s
             message = {"message": f"{kind.__name__}: {exc}", "extraInfo": extra}
             with open(path, "w") as f:
                 json.dump({"message": message}, f)

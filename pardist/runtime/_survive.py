@@ -30,7 +30,6 @@ from pardist.runtime import _faults, _warnings
 
 __all__ = [
     "ENV",
-    "RankLostWarning",
     "again_if_lost",
     "enabled",
     "how_it_died",
@@ -49,10 +48,6 @@ _WAIT_S = 20.0  # how long a rank whose step failed waits for the launcher's wor
 _state: dict = {"store": None, "generation": 0, "members": None}
 _hooks: list[Callable[[int, int], None]] = []
 _rereaders: list[Callable] = []
-
-
-class RankLostWarning(UserWarning):
-    """A rank was lost and the survivors went on without it (``--keep-going``)."""
 
 
 def enabled() -> bool:
@@ -212,7 +207,7 @@ def regroup(error: BaseException, leave: Callable, start: Callable) -> dict:
     _warnings.warn(
         f"pardist (--keep-going): lost rank(s) {gone} ({how}); going on with {world} "
         f"rank(s), this one now rank {rank}.",
-        RankLostWarning,
+        _warnings.RankLostWarning,
     )
     for hook in _hooks:
         hook(rank, world)

@@ -11,7 +11,13 @@ from __future__ import annotations
 import sys
 import warnings
 
-__all__ = ["DuplicateBatchWarning", "GradientSumWarning", "NonFiniteLossWarning", "warn"]
+__all__ = [
+    "DuplicateBatchWarning",
+    "GradientSumWarning",
+    "NonFiniteLossWarning",
+    "RankLostWarning",
+    "warn",
+]
 
 
 class DuplicateBatchWarning(UserWarning):
@@ -25,6 +31,10 @@ class GradientSumWarning(UserWarning):
 
 class NonFiniteLossWarning(UserWarning):
     """The loss was inf or nan on some rank of a data-parallel step."""
+
+
+class RankLostWarning(UserWarning):
+    """A rank was lost and the survivors went on without it (``--keep-going``)."""
 
 
 def warn(message: str, category: type[Warning]) -> None:

@@ -78,10 +78,11 @@ class Peers:
 
     def lost(self, gone: int, ranks: list[int], index: int, doing: str):
         """The error of rank ``ranks[index]``, waiting in ``doing``: ``ranks[gone]`` is gone."""
+        stopped = self.stopped.held(gone, state(self.pids[gone]) == "T")
         how = (
             f"has been stopped for {STOPPED_S:.0f} s (SIGSTOP, or its terminal's Ctrl-Z); "
             "it holds the others up, so they stop"
-            if self.stopped.held(gone, state(self.pids[gone]) == "T")
+            if stopped
             else "is gone, killed or exited while the others waited for it; its own output says why"
         )
         return _faults.CollectiveTimeout(
@@ -89,6 +90,7 @@ class Peers:
             f"{ranks[index]}: its process (pid {self.pids[gone]}) {how}.",
             [ranks[gone]],
             doing,
+            stopped_s=STOPPED_S if stopped else None,
         )
 
 

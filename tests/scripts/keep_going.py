@@ -1,0 +1,104 @@
+"""A small training run that loses ranks on request, for ``--keep-going``'s tests.
+
+    python -m pardist.launch --nproc 3 --keep-going keep_going.py OUT [PLAN] [--stop]
+
+PLAN is ``rank:step:fraction,...``: that launch rank kills itself (SIGKILL, or stops
+itself with ``--stop``) after ``fraction`` of a call's time (the median of its calls so
+far) into call ``step`` of the step: a timer thread, so the signal lands anywhere in the
+call (forward, backward, the gradient reduction, the optimizer), or, where the thread
+has not fired by then, at the start of the next call (a step of 10 or less is always
+inside the run). The run is ``deterministic=12`` in float64 with dropout, fed
+by ``pardist.data.shard(split_batches=True)``; the new main rank saves the parameters,
+the optimizer state, the number of steps and the world size at the end to OUT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import pardist
+
+EPOCHS, ROWS, BATCH = 3, 96, 24  # 4 steps an epoch, 12 in all
+
+
+def plan(text: str) -> dict[int, tuple[int, float]]:
+    out = {}
+    for item in filter(None, text.split(",")):
+        rank, step, delay = item.split(":")
+        out[int(rank)] = (int(step), float(delay))
+    return out
+
+
+def train(kills: dict, stop: bool = False) -> dict:
+    """The run; ``kills`` maps a launch rank to (call, delay_s). Its result holds the
+    RankLostWarnings seen (``said``), which are also shown as usual."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", pardist.RankLostWarning)
+        out = _train(kills, stop)
+    for w in seen:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    lost = [str(w.message) for w in seen if issubclass(w.category, pardist.RankLostWarning)]
+    return dict(out, said=lost)
+
+
+def _train(kills: dict, stop: bool) -> dict:
+    me = int(os.environ.get("RANK", "0"))
+    pardist.seed_everything(0)
+    x = torch.randn(ROWS, 5, dtype=torch.float64)
+    y = torch.randn(ROWS, 1, dtype=torch.float64)
+    data = pardist.data.shard(
+        DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True), split_batches=True
+    )
+    model = torch.nn.Sequential(
+        torch.nn.Linear(5, 32), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 1)
+    ).double()
+    apply, params, buffers = pardist.functional(model)
+    opt = pardist.optim.adamw(1e-2)
+    state = opt.init(params)
+
+    def loss_fn(p, b, x, y):
+        out, _ = apply(p, b, x)
+        return ((out - y) ** 2).mean()
+
+    @pardist.data_parallel(deterministic=12)
+    def step(p, s, batch):
+        loss, g = pardist.value_and_grad(loss_fn)(p, buffers, *batch)
+        p, s = opt.update(g, s, p)
+        return p, s, loss
+
+    calls, losses, took, timer = 0, [], [], None
+    sig = signal.SIGSTOP if stop else signal.SIGKILL
+    for epoch in range(EPOCHS):
+        data.set_epoch(epoch)
+        for batch in data:
+            if timer is not None and timer.is_alive() and timer.cancel() is None:
+                os.kill(os.getpid(), sig)  # not fired within its call: now, between calls
+            if me in kills and calls == kills[me][0]:
+                call_s = statistics.median(took[1:]) if len(took) > 1 else 0.005
+                timer = threading.Timer(kills[me][1] * call_s, os.kill, (os.getpid(), sig))
+                timer.start()
+            start = time.perf_counter()
+            params, state, loss = step(params, state, batch)
+            took.append(time.perf_counter() - start)
+            losses.append(loss.item())
+            calls += 1
+    return dict(params=params, state=state, calls=calls, world=pardist.world_size(), losses=losses)
+
+
+if __name__ == "__main__":
+    pardist.init()
+    args = [a for a in sys.argv[1:] if a != "--stop"]
+    out = train(plan(args[1] if len(args) > 1 else ""), stop="--stop" in sys.argv)
+    if pardist.is_main():
+        torch.save(out, args[0])
+        print(f"saved by launch rank {os.environ.get('RANK', '0')}", flush=True)
+    pardist.shutdown()

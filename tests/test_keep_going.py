@@ -1,0 +1,164 @@
+"""Lose a rank, keep training: ``--keep-going`` ends ``torch.equal`` to the run that lost none.
+
+Every run is ``tests/scripts/keep_going.py``: ``deterministic=12``, float64, dropout,
+AdamW, 12 steps fed by ``pardist.data.shard(split_batches=True)``. A rank kills itself
+(SIGKILL from a timer thread, so the signal lands anywhere in a call of the step: the
+forward, the backward, the gradient reduction, the optimizer) or stops itself (SIGSTOP);
+the survivors must end with the parameters, the optimizer state and the losses of the
+uninterrupted 3-rank run, bit for bit, after the same 12 steps. Runs are bounded by
+PARDIST_TIMEOUT, the launcher's timeout and pytest-timeout; the recovery itself by
+nothing but its events (the launcher's word, the new group's start).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+
+import pardist
+
+SCRIPTS = Path(__file__).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import keep_going  # noqa: E402
+
+ENV = {"PARDIST_TIMEOUT": "60"}
+
+
+def _same(got: dict, want: dict) -> bool:
+    a = tree_leaves((got["params"], got["state"]))
+    b = tree_leaves((want["params"], want["state"]))
+    tensors = all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(a, b, strict=True)
+    )
+    return tensors and got["losses"] == want["losses"] and got["calls"] == want["calls"]
+
+
+def _spawn(kills: dict, shm: str, **kw) -> dict:
+    return pardist.spawn(
+        keep_going.train, 3, kills, env={**ENV, "PARDIST_SHM": shm}, timeout=300, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted() -> dict:
+    want = pardist.spawn(keep_going.train, 3, {}, env=ENV, timeout=300)
+    alone = pardist.spawn(keep_going.train, 1, {}, env=ENV, timeout=300)
+    assert _same(alone, want)  # the deterministic mode: one process's bits at 3 ranks
+    return want
+
+
+def _plans(seed: int, trials: int) -> list[dict]:
+    """Random kills: a rank, a call, how far into it; a third of them a second failure
+    later (down to one rank); the first rank among the victims."""
+    rng = random.Random(seed)
+    plans = [{0: (rng.randrange(11), rng.random())}]  # the first rank
+    while len(plans) < trials:  # calls 0 to 10 of 12: the kill lands before the run ends
+        victim, call = rng.randrange(3), rng.randrange(11)
+        kills = {victim: (call, rng.random())}
+        if rng.random() < 1 / 3:
+            other = rng.choice([r for r in range(3) if r != victim])
+            kills[other] = (rng.randrange(call, 11), rng.random())
+        plans.append(kills)
+    return plans
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_random_kills_end_bit_identical_to_the_uninterrupted_run(uninterrupted, shm):
+    for kills in _plans(int(shm), 20):
+        got = _spawn(kills, shm, keep_going=True)
+        assert got["world"] == 3 - len(kills), kills
+        named = sum(line.count("killed by SIGKILL") for line in got["said"])
+        assert named == len(kills), got["said"]  # (two at once: one line names both)
+        assert f"going on with {got['world']} rank(s)" in got["said"][-1], got["said"]
+        assert _same(got, uninterrupted), (kills, got["losses"], uninterrupted["losses"])
+
+
+def _launch(tmp_path: Path, *argv: str, shm: str = "1", timeout: float = 300):
+    out = tmp_path / "out.pt"
+    cmd = [sys.executable, "-m", "pardist.launch", "--nproc", "3", "--keep-going"]
+    done = subprocess.run(
+        [*cmd, str(SCRIPTS / "keep_going.py"), str(out), *argv],
+        env={**os.environ, **ENV, "PARDIST_SHM": shm},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, (torch.load(out, weights_only=False) if out.exists() else None)
+
+
+@pytest.mark.timeout(400)
+def test_the_launcher_goes_on_without_rank_0(uninterrupted, tmp_path):
+    # Separate interpreters, each with its own hash seed (as torchrun's), the store in the
+    # launcher: the first rank's death leaves a run whose new main rank saves.
+    done, got = _launch(tmp_path, "0:5:0.5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("pardist.launch --keep-going: finished with 2 of 3 ranks"), last
+    assert "lost rank 0 killed by SIGKILL" in last, last
+    assert "saved by launch rank 1" in done.stdout, done.stdout
+    assert "RankLostWarning: pardist (--keep-going): lost rank(s) [0]" in done.stderr
+    assert got["world"] == 2 and _same(got, uninterrupted)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_a_stopped_rank_is_fenced_off_and_the_others_go_on(uninterrupted, tmp_path, shm):
+    done, got = _launch(tmp_path, "1:6:0.3", "--stop", shm=shm)
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "lost rank 1 stopped (SIGSTOP) for 3 s, then killed by the launcher" in last, last
+    assert got["world"] == 2 and _same(got, uninterrupted)
+
+
+@pytest.mark.timeout(300)
+def test_without_keep_going_a_lost_rank_still_stops_the_run(tmp_path):
+    cmd = [sys.executable, "-m", "pardist.launch", "--nproc", "2"]
+    done = subprocess.run(
+        [*cmd, str(SCRIPTS / "keep_going.py"), str(tmp_path / "out.pt"), "1:3:0.5"],
+        env={**os.environ, **ENV},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode != 0
+    assert "rank 1 (local rank 1" in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out.pt").exists()
+
+
+def _hand_made_shards():
+    me = int(os.environ["RANK"])
+
+    @pardist.data_parallel(deterministic=6)
+    def step(w, batch):
+        return w - 0.1 * pardist.grad(lambda w, b: (b @ w).square().mean())(w, batch)
+
+    w = torch.ones(3, dtype=torch.float64)
+    for call in range(4):
+        if me == 2 and call == 2:
+            os.kill(os.getpid(), 9)
+        rows = torch.arange(6 * 3, dtype=torch.float64).view(6, 3)
+        w = step(w, rows[2 * me : 2 * me + 2])
+    return w
+
+
+@pytest.mark.timeout(300)
+def test_a_batch_that_no_loader_made_is_a_clear_error():
+    with pytest.raises(pardist.SpawnError, match="did not come from a pardist.data.shard"):
+        pardist.spawn(_hand_made_shards, 3, env=ENV, timeout=200, keep_going=True)
+
+
+@pytest.mark.timeout(300)
+def test_the_launcher_refuses_keep_going_across_machines():
+    cmd = [sys.executable, "-m", "pardist.launch", "--nnodes", "2", "--keep-going", "x.py"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--keep-going runs on one machine" in done.stderr
