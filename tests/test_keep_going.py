@@ -12,6 +12,7 @@ nothing but its events (the launcher's word, the new group's start).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import subprocess
@@ -41,9 +42,15 @@ def _same(got: dict, want: dict) -> bool:
     return tensors and got["losses"] == want["losses"] and got["calls"] == want["calls"]
 
 
-def _spawn(kills: dict, shm: str, **kw) -> dict:
+def _spawn(kills: dict, shm: str, keep: bool = True, world: int = 3, **train) -> dict:
+    """``keep_going.train(kills, **train)`` at ``world`` ranks (``keep``: --keep-going)."""
     return pardist.spawn(
-        keep_going.train, 3, kills, env={**ENV, "PARDIST_SHM": shm}, timeout=300, **kw
+        functools.partial(keep_going.train, **train),
+        world,
+        kills,
+        env={**ENV, "PARDIST_SHM": shm},
+        timeout=300,
+        keep_going=keep,
     )
 
 
@@ -74,7 +81,7 @@ def _plans(seed: int, trials: int) -> list[dict]:
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_random_kills_end_bit_identical_to_the_uninterrupted_run(uninterrupted, shm):
     for kills in _plans(int(shm), 20):
-        got = _spawn(kills, shm, keep_going=True)
+        got = _spawn(kills, shm)
         assert got["world"] == 3 - len(kills), kills
         named = sum(line.count("killed by SIGKILL") for line in got["said"])
         assert named == len(kills), got["said"]  # (two at once: one line names both)
@@ -162,3 +169,37 @@ def test_the_launcher_refuses_keep_going_across_machines():
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--keep-going runs on one machine" in done.stderr
+
+
+def _sharded_state(which: str):
+    params = {"w": torch.ones(6)}
+    if which == "zero":
+        pardist.optim.sharded(pardist.optim.adamw(0.1))
+    else:
+        pardist.fsdp(params)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("which", ["zero", "fsdp"])
+def test_sharded_state_is_refused_at_once_under_keep_going(which):
+    # A lost rank's shards would be gone with it: said when the state is made, not at a loss.
+    with pytest.raises(pardist.SpawnError, match="--keep-going needs replicated state"):
+        pardist.spawn(_sharded_state, 2, which, env=ENV, timeout=200, keep_going=True)
+    pardist.spawn(_sharded_state, 2, which, env=ENV, timeout=200)  # without: as before
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("victim", [0, 2])
+def test_the_default_mode_equals_a_run_at_the_survivors_size_from_that_step(victim):
+    # Killed a tenth into call 5: the survivors redo call 5 at 2 ranks, or, where the
+    # victim had already given all it had to call 5, call 6. The reference: that many
+    # calls at 3 ranks, then a new 2-rank run resumed from there (its loader's position
+    # and random streams restored). Survivors 0, 1 or 1, 2 are ranks 0 and 1 of the new
+    # group, as in the reference; the same world size, the same kernels and the same
+    # reduction order give the same bits, so torch.equal is the bound.
+    got = _spawn({victim: (5, 0.1)}, "1", groups=None)
+    assert got["world"] == 2 and got["shrunk"] in ([5], [6]), got["shrunk"]
+    head = _spawn({}, "1", keep=False, groups=None, until=got["shrunk"][0])
+    tail = _spawn({}, "1", keep=False, world=2, groups=None, start=head)
+    want = dict(tail, losses=head["losses"] + tail["losses"])
+    assert _same(got, want), (got["losses"], want["losses"])

@@ -27,6 +27,7 @@ from pardist.optim._base import Optimizer
 from pardist.runtime import (
     ShardsGradients,
     _mesh,
+    _survive,
     _tree,
     compiled_plan,
     current_mode,
@@ -108,6 +109,7 @@ def sharded(
         tensor([-0.1000, -0.1000, -0.1000])
         >>> pardist.shutdown()
     """
+    _survive.refuse_sharded("pardist.optim.sharded", "the optimizer state")
     plans: dict[tuple, ParamGather] = {}
 
     def where(fn: str) -> str:

@@ -38,6 +38,7 @@ __all__ = [
     "members_key",
     "on_regroup",
     "on_reread",
+    "refuse_sharded",
     "regroup",
     "reread",
     "remember",
@@ -87,6 +88,19 @@ def launcher_view(store, secret: str, attempt: str = "0"):
 def remember(store, world: int) -> None:
     """At the group's start: the run's store, through which later groups are formed."""
     _state.update(store=store, generation=0, members=list(range(world)))
+
+
+def refuse_sharded(where: str, what: str) -> None:
+    """Under --keep-going, an error at once for state sharded over the ranks (``what``):
+    a lost rank's shards would be gone with it, and no survivor holds another copy."""
+    if enabled():
+        raise ValueError(
+            f"{where}: --keep-going needs replicated state, but this shards {what} over the "
+            "ranks: a lost rank's shards would be gone with it, and no survivor holds "
+            "another copy. Under --keep-going use a replicated optimizer and parameters (the "
+            "default); with sharded state, run without --keep-going: --max-restarts resumes "
+            "every rank from the last checkpoint's shards (docs/keep_going.md)."
+        )
 
 
 def on_regroup(hook: Callable[[int, int], None]) -> None:

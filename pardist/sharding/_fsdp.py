@@ -21,7 +21,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from pardist.runtime import DisableTorchFunctionSubclass, _mesh, _tree, dtensor_local, dtensor_spec
+from pardist.runtime import (
+    DisableTorchFunctionSubclass,
+    _mesh,
+    _survive,
+    _tree,
+    dtensor_local,
+    dtensor_spec,
+)
 from pardist.transport import shard_range
 
 __all__ = [
@@ -79,6 +86,7 @@ def fsdp(params: Any, axis: str | tuple[str, ...] = "gpu", *, mesh: _mesh.Mesh |
         torch.Size([6])
         >>> pardist.shutdown()
     """
+    _survive.refuse_sharded("pardist.fsdp", "the parameters")
     m = mesh or _mesh.current_mesh("fsdp")
     axes = m.axes(axis, "fsdp")
     size, index, sub = m.size(axes), m.index(axes), m.submesh(axes)

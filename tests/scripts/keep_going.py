@@ -38,19 +38,21 @@ def plan(text: str) -> dict[int, tuple[int, float]]:
     return out
 
 
-def train(kills: dict, stop: bool = False) -> dict:
-    """The run; ``kills`` maps a launch rank to (call, delay_s). Its result holds the
-    RankLostWarnings seen (``said``), which are also shown as usual."""
+def train(kills: dict, stop: bool = False, **kw) -> dict:
+    """The run; ``kills`` maps a launch rank to (call, fraction). Its result holds the
+    RankLostWarnings seen (``said``), which are also shown as usual. ``groups``: the
+    deterministic mode's G (None: the default mode); ``until``: stop after that many
+    calls (the result then holds what a resumed run needs); ``start``: such a result."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", pardist.RankLostWarning)
-        out = _train(kills, stop)
+        out = _train(kills, stop, **kw)
     for w in seen:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     lost = [str(w.message) for w in seen if issubclass(w.category, pardist.RankLostWarning)]
     return dict(out, said=lost)
 
 
-def _train(kills: dict, stop: bool) -> dict:
+def _train(kills: dict, stop: bool, groups=12, until=None, start=None) -> dict:
     me = int(os.environ.get("RANK", "0"))
     pardist.seed_everything(0)
     x = torch.randn(ROWS, 5, dtype=torch.float64)
@@ -69,15 +71,20 @@ def _train(kills: dict, stop: bool) -> dict:
         out, _ = apply(p, b, x)
         return ((out - y) ** 2).mean()
 
-    @pardist.data_parallel(deterministic=12)
+    @pardist.data_parallel(deterministic=groups)
     def step(p, s, batch):
         loss, g = pardist.value_and_grad(loss_fn)(p, buffers, *batch)
         p, s = opt.update(g, s, p)
         return p, s, loss
 
-    calls, losses, took, timer = 0, [], [], None
+    calls, losses, took, timer, shrunk = 0, [], [], None, []
+    if start is not None:  # a run resumed at another world size
+        params, state, calls, losses = start["params"], start["state"], start["calls"], []
+        data.set_epoch(calls // len(data))
+        data.load_state_dict(start["data"])
+        pardist.set_rng_count(start["rng"])
     sig = signal.SIGSTOP if stop else signal.SIGKILL
-    for epoch in range(EPOCHS):
+    for epoch in range(calls // len(data), EPOCHS):
         data.set_epoch(epoch)
         for batch in data:
             if timer is not None and timer.is_alive() and timer.cancel() is None:
@@ -87,11 +94,18 @@ def _train(kills: dict, stop: bool) -> dict:
                 timer = threading.Timer(kills[me][1] * call_s, os.kill, (os.getpid(), sig))
                 timer.start()
             start = time.perf_counter()
+            world = pardist.world_size()
             params, state, loss = step(params, state, batch)
             took.append(time.perf_counter() - start)
+            if pardist.world_size() != world:
+                shrunk.append(calls)  # this call was redone over the survivors
             losses.append(loss.item())
             calls += 1
-    return dict(params=params, state=state, calls=calls, world=pardist.world_size(), losses=losses)
+            if calls == until:
+                saved = dict(data=data.state_dict(), rng=pardist.rng_count())
+                return dict(params=params, state=state, calls=calls, losses=losses, **saved)
+    world = pardist.world_size()
+    return dict(params=params, state=state, calls=calls, world=world, losses=losses, shrunk=shrunk)
 
 
 if __name__ == "__main__":

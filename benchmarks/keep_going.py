@@ -1,0 +1,177 @@
+"""Lose a rank: ``--keep-going`` against ``--max-restarts`` from a checkpoint.
+
+    python benchmarks/keep_going.py                  # 10 kills each, 3 ranks
+    python benchmarks/keep_going.py --runs 3 --ranks 4
+
+One training run (an MLP of 3 x Linear(256, 256) with dropout, AdamW, float64,
+``deterministic=12``, 60 steps of a 48-row global batch from
+``pardist.data.shard(split_batches=True)``) is started with ``python -m pardist.launch``
+three ways: uninterrupted; with ``--keep-going``; and with ``--max-restarts 1``,
+checkpointing every 10 steps and resuming from the last checkpoint (the way to survive a
+lost rank without --keep-going). In the last two, one random rank SIGKILLs itself half-way
+into a random step. Reported per way, over the runs: the seconds from the kill to the
+next completed step, the steps computed again (those since the last checkpoint), the
+samples dropped, and the final parameters against the uninterrupted run's (max abs
+difference; how many runs were ``torch.equal``). Writes
+benchmarks/results/keep_going.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+STEPS, BATCH, EVERY = 60, 48, 10
+HERE = Path(__file__).resolve()
+
+
+def worker(out: str, victim: int, kill_at: int, ckpt: str | None) -> None:
+    """One rank of a run; logs each completed step to stdout as a JSON line."""
+    import pardist
+
+    pardist.init()
+    me = int(os.environ["RANK"])
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    pardist.seed_everything(0)
+    x, y = torch.randn(STEPS * BATCH, 256, dtype=torch.float64), torch.randn(STEPS * BATCH, 1)
+    loader = DataLoader(TensorDataset(x, y.double()), batch_size=BATCH, shuffle=True)
+    data = pardist.data.shard(loader, split_batches=True)
+    layers = [torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Dropout(0.1)] * 3
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(256, 1)).double()
+    apply, params, buffers = pardist.functional(model)
+    opt = pardist.optim.adamw(1e-3)
+    state = {"params": params, "opt": opt.init(params), "data": data, "step": 0, "rng": 0}
+    if ckpt:
+        state = pardist.checkpoint.resume(ckpt, state, key="step")
+        pardist.set_rng_count(state["rng"])  # dropout's streams continue where they were
+
+    def loss_fn(p, x, y):
+        return ((apply(p, buffers, x)[0] - y) ** 2).mean()
+
+    @pardist.data_parallel(deterministic=12)
+    def step(p, s, batch):
+        loss, g = pardist.value_and_grad(loss_fn)(p, *batch)
+        p, s = opt.update(g, s, p)
+        return p, s, loss
+
+    params, opt_state, done = state["params"], state["opt"], state["step"]
+    for batch in data:
+        if me == victim and done == kill_at and first_attempt:
+            kill = lambda: (log(killed=time.time()), os.kill(os.getpid(), signal.SIGKILL))  # noqa: E731
+            threading.Timer(0.02, kill).start()
+        params, opt_state, _ = step(params, opt_state, batch)
+        done += 1
+        log(rank=me, step=done, t=time.time())
+        if ckpt and done % EVERY == 0:
+            saved = dict(params=params, opt=opt_state, data=data, step=done)
+            saved["rng"] = pardist.rng_count()
+            pardist.checkpoint.save(ckpt, saved, step=done)
+    if pardist.is_main():
+        torch.save(params, out)
+    pardist.shutdown()
+
+
+def log(**fields) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")  # one write: ranks share the pipe
+    sys.stdout.flush()
+
+
+def run(way: str, ranks: int, victim: int, kill_at: int, tmp: str) -> dict:
+    out = os.path.join(tmp, f"{way}-{time.monotonic_ns()}.pt")
+    ckpt = tempfile.mkdtemp(prefix="ckpt-", dir=tmp) if way == "restart" else ""  # a new one
+    flags = {"none": [], "keep": ["--keep-going"], "restart": ["--max-restarts", "1"]}[way]
+    cmd = [sys.executable, "-m", "pardist.launch", "--nproc", str(ranks), *flags]
+    cmd += [str(HERE), "--worker", out, str(victim), str(kill_at), ckpt]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"{way}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    events = [
+        json.loads(line[line.index("{") :]) for line in done.stdout.splitlines() if "{" in line
+    ]
+    killed = next((e["killed"] for e in events if "killed" in e), None)
+    steps = [e for e in events if "step" in e]
+    after = [e["t"] for e in steps if killed is not None and e["t"] > killed]
+    computed = len({(e["rank"], e["step"]) for e in steps}) if steps else 0
+    per_rank = [e for e in steps if e["rank"] == min(e["rank"] for e in steps)]
+    return dict(
+        params=torch.load(out),
+        recovery_s=(min(after) - killed) if after else None,
+        redone=len(per_rank) - len({e["step"] for e in per_rank}),
+        computed=computed,
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        out, victim, kill_at, ckpt = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+        return worker(out, victim, kill_at, ckpt or None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    rows = {"keep": [], "restart": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        want = run("none", args.ranks, -1, -1, tmp)["params"]
+        for i in range(args.runs):
+            victim, kill_at = rng.randrange(args.ranks), rng.randrange(5, STEPS - 5)
+            for way in rows:
+                got = run(way, args.ranks, victim, kill_at, tmp)
+                diff = max((got["params"][k] - want[k]).abs().max().item() for k in want)
+                equal = all(torch.equal(got["params"][k], want[k]) for k in want)
+                rows[way].append(
+                    dict(
+                        victim=victim,
+                        kill_at=kill_at,
+                        diff=diff,
+                        equal=equal,
+                        recovery_s=got["recovery_s"],
+                        redone=got["redone"],
+                    )
+                )
+                print(f"run {i} {way}: {rows[way][-1]}", flush=True)
+    write(rows, args)
+
+
+def write(rows: dict, args) -> None:
+    names = {"keep": "`--keep-going`", "restart": "`--max-restarts 1`, checkpoint every 10"}
+    lines = [
+        f"{args.ranks} CPU ranks, {args.runs} runs each, SIGKILL of a random rank half-way into "
+        f"a random step of {STEPS} (`python benchmarks/keep_going.py --runs {args.runs} "
+        f"--ranks {args.ranks}`)",
+        "",
+        "| way | kill to next step, s (median, max) | steps computed again (median) "
+        "| samples dropped | max abs diff | `torch.equal` runs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for way, got in rows.items():
+        rec = [r["recovery_s"] for r in got if r["recovery_s"] is not None]
+        dropped = "0 (`torch.equal`)" if all(r["equal"] for r in got) else "not known"
+        lines.append(
+            f"| {names[way]} | {statistics.median(rec):.2f}, {max(rec):.2f} | "
+            f"{statistics.median(r['redone'] for r in got):.0f} | {dropped} | "
+            f"{max(r['diff'] for r in got):.1e} | {sum(r['equal'] for r in got)} of {len(got)} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    results = HERE.parent / "results"
+    (results / "keep_going.md").write_text(text)
+    (results / "keep_going.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
