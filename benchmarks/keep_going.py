@@ -74,7 +74,8 @@ def worker(out: str, victim: int, kill_at: int, ckpt: str | None) -> None:
             threading.Timer(0.02, kill).start()
         params, opt_state, _ = step(params, opt_state, batch)
         done += 1
-        log(rank=me, step=done, t=time.time())
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        log(rank=me, step=done, t=time.time(), world=pardist.world_size(), attempt=attempt)
         if ckpt and done % EVERY == 0:
             saved = dict(params=params, opt=opt_state, data=data, step=done)
             saved["rng"] = pardist.rng_count()
@@ -103,7 +104,13 @@ def run(way: str, ranks: int, victim: int, kill_at: int, tmp: str) -> dict:
     ]
     killed = next((e["killed"] for e in events if "killed" in e), None)
     steps = [e for e in events if "step" in e]
-    after = [e["t"] for e in steps if killed is not None and e["t"] > killed]
+    # the first step the survivors completed after dealing with the loss (steps that
+    # ranks still in flight finished before the launcher restarted them do not count)
+    after = [
+        e["t"]
+        for e in steps
+        if killed is not None and e["t"] > killed and (e["world"] < ranks or e["attempt"] > 0)
+    ]
     computed = len({(e["rank"], e["step"]) for e in steps}) if steps else 0
     per_rank = [e for e in steps if e["rank"] == min(e["rank"] for e in steps)]
     return dict(

@@ -278,8 +278,12 @@ def record_uncaught() -> None:
                 if timeout.stopped_s is not None:
                     extra["pardist_stopped_s"] = timeout.stopped_s
             message = {"message": f"{kind.__name__}: {exc}", "extraInfo": extra}
-            with open(path, "w") as f:
+            # Whole or not at all: the launcher stops this rank (SIGTERM) once another has
+            # failed, and a file it finds half-written or empty crashed torchrun's agent
+            # (JSONDecodeError), which then neither restarted nor reported the run.
+            with open(f"{path}.tmp", "w") as f:
                 json.dump({"message": message}, f)
+            os.replace(f"{path}.tmp", path)
         except Exception:  # noqa: BLE001 - never hide the original error
             pass
         previous(kind, exc, tb)

@@ -8,8 +8,9 @@ far) into call ``step`` of the step: a timer thread, so the signal lands anywher
 call (forward, backward, the gradient reduction, the optimizer), or, where the thread
 has not fired by then, at the start of the next call (a step of 10 or less is always
 inside the run). The run is ``deterministic=12`` in float64 with dropout, fed
-by ``pardist.data.shard(split_batches=True)``; the new main rank saves the parameters,
-the optimizer state, the number of steps and the world size at the end to OUT.
+by ``pardist.data.shard(split_batches=True)``, then evaluated through a sharded loader
+and ``pardist.gather``; the new main rank saves the parameters, the optimizer state, the
+losses, the predictions, the number of steps and the world size at the end to OUT.
 """
 
 from __future__ import annotations
@@ -104,8 +105,15 @@ def _train(kills: dict, stop: bool, groups=12, until=None, start=None) -> dict:
             if calls == until:
                 saved = dict(data=data.state_dict(), rng=pardist.rng_count())
                 return dict(params=params, state=state, calls=calls, losses=losses, **saved)
+    # Evaluation after a loss: a loader of the whole set (not split), gathered in order.
+    valid = pardist.data.shard(DataLoader(TensorDataset(x), batch_size=10))
+    preds = torch.cat([apply(params, buffers, xb, train=False)[0] for (xb,) in valid])
+    preds = pardist.gather(preds, total=ROWS)
     world = pardist.world_size()
-    return dict(params=params, state=state, calls=calls, world=world, losses=losses, shrunk=shrunk)
+    return dict(
+        params=params, state=state, calls=calls, world=world, losses=losses, shrunk=shrunk,
+        preds=preds,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
