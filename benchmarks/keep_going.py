@@ -8,7 +8,7 @@ One training run (an MLP of 3 x Linear(256, 256) with dropout, AdamW, float64,
 ``pardist.data.shard(split_batches=True)``) is started with ``python -m pardist.launch``
 three ways: uninterrupted; with ``--keep-going``; and with ``--max-restarts 1``,
 checkpointing every 10 steps and resuming from the last checkpoint (the way to survive a
-lost rank without --keep-going). In the last two, one random rank SIGKILLs itself half-way
+lost rank without --keep-going). In the last two, one random rank SIGKILLs itself 20 ms
 into a random step. Reported per way, over the runs: the seconds from the kill to the
 next completed step, the steps computed again (those since the last checkpoint), the
 samples dropped, and the final parameters against the uninterrupted run's (max abs
@@ -157,7 +157,7 @@ def main() -> None:
 def write(rows: dict, args) -> None:
     names = {"keep": "`--keep-going`", "restart": "`--max-restarts 1`, checkpoint every 10"}
     lines = [
-        f"{args.ranks} CPU ranks, {args.runs} runs each, SIGKILL of a random rank half-way into "
+        f"{args.ranks} CPU ranks, {args.runs} runs each, SIGKILL of a random rank 20 ms into "
         f"a random step of {STEPS} (`python benchmarks/keep_going.py --runs {args.runs} "
         f"--ranks {args.ranks}`)",
         "",
