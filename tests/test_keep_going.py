@@ -190,17 +190,29 @@ def test_sharded_state_is_refused_at_once_under_keep_going(which):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("victim", [0, 2])
-def test_the_default_mode_equals_a_run_at_the_survivors_size_from_that_step(victim):
+@pytest.mark.parametrize("victim, compiled", [(0, False), (2, False), (1, True)])
+def test_the_default_mode_equals_a_run_at_the_survivors_size_from_that_step(victim, compiled):
     # Killed a tenth into call 5: the survivors redo call 5 at 2 ranks, or, where the
     # victim had already given all it had to call 5, call 6. The reference: that many
     # calls at 3 ranks, then a new 2-rank run resumed from there (its loader's position
     # and random streams restored). Survivors 0, 1 or 1, 2 are ranks 0 and 1 of the new
     # group, as in the reference; the same world size, the same kernels and the same
     # reduction order give the same bits, so torch.equal is the bound.
-    got = _spawn({victim: (5, 0.1)}, "1", groups=None)
+    # Compiled: the step is compiled again once for the survivors' size (dynamo reset);
+    # compared with the eager runs (a compiled step has the eager step's numbers).
+    got = _spawn({victim: (5, 0.1)}, "1", groups=None, compile=compiled)
     assert got["world"] == 2 and got["shrunk"] in ([5], [6]), got["shrunk"]
     head = _spawn({}, "1", keep=False, groups=None, until=got["shrunk"][0])
     tail = _spawn({}, "1", keep=False, world=2, groups=None, start=head)
     want = dict(tail, losses=head["losses"] + tail["losses"])
-    assert _same(got, want), (got["losses"], want["losses"])
+    if not compiled:
+        assert _same(got, want), (got["losses"], want["losses"])
+        return
+    # Inductor reassociates float64 sums: a few ulps (2.2e-16 each) a step, which 12 AdamW
+    # steps at lr 1e-2 keep far below 1e-9; a wrong row, mask or step moves them by 1e-3.
+    assert not [w for w in got["warned"] if "compile=True" in w], got["warned"]  # no fallback
+    close = functools.partial(torch.allclose, rtol=1e-9, atol=1e-12)
+    leaves = zip(tree_leaves(got["params"]), tree_leaves(want["params"]), strict=True)
+    assert all(close(a, b) for a, b in leaves)
+    assert close(torch.tensor(got["losses"]), torch.tensor(want["losses"]))
+    assert close(got["preds"], want["preds"])

@@ -98,6 +98,7 @@ class Step:
             self.donate_argnums = ()
         self._last = None
         self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
+        self.compile_option = compile
         self.compiled = _step.compiled_step(compile, self.where)
         self.check_vma, self.axis_names = check_vma, axis_names
         # Typing (see _types_needed): the input structures whose call was typed and the

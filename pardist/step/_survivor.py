@@ -16,7 +16,8 @@ the survivors' new group). What each survivor then does depends on how far it go
   deterministic mode's row groups draw the same masks.
 
 Under ``deterministic=G`` (with a world size that still divides G) the redone call has
-the uninterrupted run's bits; in the default mode, a run at the survivors' size's.
+the uninterrupted run's bits; in the default mode, a run at the survivors' size's. A
+compiled step is compiled again, once, for the new size.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from pardist.compile import _step
 from pardist.runtime import _mesh, _process, _rng, _survive
 from pardist.step._specs import P
 
@@ -66,6 +68,11 @@ def survive(step, error: BaseException, args: tuple, kwargs: dict, count: int) -
     step._groups.clear()
     step._specs_cache.clear()
     step.reducers.clear()
+    if step.compiled is not None:  # compiled anew for the new world size, once
+        import torch._dynamo
+
+        torch._dynamo.reset()  # (dynamo's caches hold the old group's constants)
+        step.compiled = _step.compiled_step(step.compile_option, step.where)
     calls = [None] * dist.get_world_size()
     dist.all_gather_object(calls, step.entered)
     behind, ahead = min(calls), max(calls)

@@ -43,17 +43,18 @@ def train(kills: dict, stop: bool = False, **kw) -> dict:
     """The run; ``kills`` maps a launch rank to (call, fraction). Its result holds the
     RankLostWarnings seen (``said``), which are also shown as usual. ``groups``: the
     deterministic mode's G (None: the default mode); ``until``: stop after that many
-    calls (the result then holds what a resumed run needs); ``start``: such a result."""
+    calls (the result then holds what a resumed run needs); ``start``: such a result;
+    ``compile``: data_parallel's."""
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always", pardist.RankLostWarning)
+        warnings.simplefilter("always")
         out = _train(kills, stop, **kw)
     for w in seen:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     lost = [str(w.message) for w in seen if issubclass(w.category, pardist.RankLostWarning)]
-    return dict(out, said=lost)
+    return dict(out, said=lost, warned=[str(w.message) for w in seen])
 
 
-def _train(kills: dict, stop: bool, groups=12, until=None, start=None) -> dict:
+def _train(kills: dict, stop: bool, groups=12, until=None, start=None, compile=False) -> dict:
     me = int(os.environ.get("RANK", "0"))
     pardist.seed_everything(0)
     x = torch.randn(ROWS, 5, dtype=torch.float64)
@@ -72,7 +73,7 @@ def _train(kills: dict, stop: bool, groups=12, until=None, start=None) -> dict:
         out, _ = apply(p, b, x)
         return ((out - y) ** 2).mean()
 
-    @pardist.data_parallel(deterministic=groups)
+    @pardist.data_parallel(deterministic=groups, compile=compile)
     def step(p, s, batch):
         loss, g = pardist.value_and_grad(loss_fn)(p, buffers, *batch)
         p, s = opt.update(g, s, p)
