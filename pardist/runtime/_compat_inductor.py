@@ -117,3 +117,10 @@ def never_a_frame(fn) -> None:
         return
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     _never_frames.add(code)
+
+
+def reset_dynamo() -> None:
+    """Forget every frame dynamo compiled (a step compiled again for a new world size)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()

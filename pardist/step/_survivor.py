@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pardist.compile import _step
-from pardist.runtime import _mesh, _process, _rng, _survive
+from pardist.runtime import _compat_inductor, _mesh, _process, _rng, _survive
 from pardist.step._specs import P
 
 __all__ = ["survive"]
@@ -69,9 +69,7 @@ def survive(step, error: BaseException, args: tuple, kwargs: dict, count: int) -
     step._specs_cache.clear()
     step.reducers.clear()
     if step.compiled is not None:  # compiled anew for the new world size, once
-        import torch._dynamo
-
-        torch._dynamo.reset()  # (dynamo's caches hold the old group's constants)
+        _compat_inductor.reset_dynamo()  # (its caches hold the old group's constants)
         step.compiled = _step.compiled_step(step.compile_option, step.where)
     calls = [None] * dist.get_world_size()
     dist.all_gather_object(calls, step.entered)
