@@ -15,7 +15,6 @@ exits 0 when every surviving rank has finished, and says which ranks were lost a
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import subprocess
@@ -29,7 +28,6 @@ __all__ = ["run"]
 
 WHERE = "pardist.launch --keep-going"
 _POLL_S = 0.02
-_FENCED = f"stopped (SIGSTOP) for {_alive.STOPPED_S:.0f} s, then killed by the launcher"
 
 
 def _command(args) -> list[str]:
@@ -99,15 +97,13 @@ def run(args, env: dict) -> int:
                 if code is None:
                     if stopped.held(rank, _alive.state(procs[rank].pid) == "T"):
                         procs[rank].kill()  # fenced off: it can never come back mid-step
-                        fenced[rank] = _FENCED
+                        fenced[rank] = _survive.fenced("the launcher")
                     continue
                 running.discard(rank)
                 if code != 0:
                     lost[rank] = fenced.get(rank) or _survive.how_it_died(code)
                     if running:  # the others go on without it
-                        members = [r for r in range(world) if r not in lost]
-                        said = {"members": members, "lost": {str(r): h for r, h in lost.items()}}
-                        word.set(_survive.members_key(len(lost)), json.dumps(said))
+                        _survive.publish(word, world, lost)
     finally:
         _segments.clean_stale()
     return _report(world, lost)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import multiprocessing
 import multiprocessing.connection as mpc
 import os
@@ -326,16 +325,12 @@ class Workers:
         for rank in waiting:
             if self._stopped.held(rank, _alive.state(self._procs[rank].pid) == "T"):
                 self._procs[rank].kill()
-                self._fenced[rank] = (
-                    f"stopped (SIGSTOP) for {_alive.STOPPED_S:.0f} s, then killed by pardist.spawn"
-                )
+                self._fenced[rank] = _survive.fenced("pardist.spawn")
 
     def _publish(self, rank: int, how: str) -> None:
         """Tell the survivors (``runtime._survive``) that ``rank`` is gone and who is left."""
         self.lost[rank] = how
-        members = [r for r in range(self.nprocs) if r not in self.lost]
-        word = {"members": members, "lost": {str(r): h for r, h in self.lost.items()}}
-        self._word.set(_survive.members_key(len(self.lost)), json.dumps(word))
+        _survive.publish(self._word, self.nprocs, self.lost)
 
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; each rank's result, in rank order.

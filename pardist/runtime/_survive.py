@@ -32,12 +32,14 @@ __all__ = [
     "ENV",
     "again_if_lost",
     "enabled",
+    "fenced",
     "how_it_died",
     "launch_rank",
     "launcher_view",
     "members_key",
     "on_regroup",
     "on_reread",
+    "publish",
     "refuse_sharded",
     "regroup",
     "reread",
@@ -83,6 +85,21 @@ def launcher_view(store, secret: str, attempt: str = "0"):
     """The launcher's view of ``store`` with the keys the ranks read (``_process.start``)."""
     view = dist.PrefixStore(f"pardist/attempt_{attempt}/", store)
     return dist.PrefixStore(f"pardist-run-{secret}", view) if secret else view
+
+
+def publish(view, world: int, lost: dict[int, str]) -> None:
+    """The launcher's word (through :func:`launcher_view`): the launch ranks of ``world``
+    not in ``lost`` (rank to how it died) go on, as the generation ``len(lost)``."""
+    members = [r for r in range(world) if r not in lost]
+    word = {"members": members, "lost": {str(r): how for r, how in lost.items()}}
+    view.set(members_key(len(lost)), json.dumps(word))
+
+
+def fenced(by: str) -> str:
+    """How a rank killed for being stopped too long died, in the launcher's words."""
+    from pardist.transport import _alive
+
+    return f"stopped (SIGSTOP) for {_alive.STOPPED_S:.0f} s, then killed by {by}"
 
 
 def remember(store, world: int) -> None:

@@ -94,7 +94,8 @@ class Step:
         self.key = None  # for the marks of its calls (see _handshake), at its first call
         self._groups: dict = {}
         self._specs_cache: dict = {}
-        if _survive.enabled():  # a failed call is redone from its inputs (step._survivor)
+        self.keep_going = _survive.enabled()  # (read once: the environment is the launcher's)
+        if self.keep_going:  # a failed call is redone from its inputs (step._survivor)
             self.donate_argnums = ()
         self._last = None
         self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
@@ -229,11 +230,11 @@ class Step:
                 with _faults.collective_errors(self.where, group):
                     out = self._call(mesh, axes, args, kwargs)
         except _faults.KEEP_GOING_ON as error:
-            if not _survive.enabled():
+            if not self.keep_going:
                 raise
             del group  # the old group must go (its sockets closed) when the survivors leave
             return _survivor.survive(self, error, args, kwargs, count)  # (--keep-going)
-        if _survive.enabled():
+        if self.keep_going:
             self._last = out  # what a survivor behind would need (step._survivor)
         return out
 
