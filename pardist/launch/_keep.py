@@ -97,7 +97,7 @@ def run(args, env: dict) -> int:
                 if code is None:
                     if stopped.held(rank, _alive.state(procs[rank].pid) == "T"):
                         procs[rank].kill()  # fenced off: it can never come back mid-step
-                        fenced[rank] = _survive.fenced("the launcher")
+                        fenced[rank] = _alive.fenced("the launcher")
                     continue
                 running.discard(rank)
                 if code != 0:

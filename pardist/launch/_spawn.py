@@ -325,7 +325,7 @@ class Workers:
         for rank in waiting:
             if self._stopped.held(rank, _alive.state(self._procs[rank].pid) == "T"):
                 self._procs[rank].kill()
-                self._fenced[rank] = _survive.fenced("pardist.spawn")
+                self._fenced[rank] = _alive.fenced("pardist.spawn")
 
     def _publish(self, rank: int, how: str) -> None:
         """Tell the survivors (``runtime._survive``) that ``rank`` is gone and who is left."""

@@ -32,7 +32,6 @@ __all__ = [
     "ENV",
     "again_if_lost",
     "enabled",
-    "fenced",
     "how_it_died",
     "launch_rank",
     "launcher_view",
@@ -93,13 +92,6 @@ def publish(view, world: int, lost: dict[int, str]) -> None:
     members = [r for r in range(world) if r not in lost]
     word = {"members": members, "lost": {str(r): how for r, how in lost.items()}}
     view.set(members_key(len(lost)), json.dumps(word))
-
-
-def fenced(by: str) -> str:
-    """How a rank killed for being stopped too long died, in the launcher's words."""
-    from pardist.transport import _alive
-
-    return f"stopped (SIGSTOP) for {_alive.STOPPED_S:.0f} s, then killed by {by}"
 
 
 def remember(store, world: int) -> None:

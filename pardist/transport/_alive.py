@@ -25,7 +25,7 @@ import time
 
 from pardist.runtime import _faults
 
-__all__ = ["STOPPED_S", "Peers", "Stopped", "host", "me", "state"]
+__all__ = ["STOPPED_S", "Peers", "Stopped", "fenced", "host", "me", "state"]
 
 _EVERY_S = 0.2  # how often a waiting rank looks
 STOPPED_S = 3.0  # how long a peer may be stopped (SIGSTOP) before the others give up on it
@@ -92,6 +92,11 @@ class Peers:
             doing,
             stopped_s=STOPPED_S if stopped else None,
         )
+
+
+def fenced(by: str) -> str:
+    """How a rank killed for being stopped STOPPED_S died, in its launcher's words."""
+    return f"stopped (SIGSTOP) for {STOPPED_S:.0f} s, then killed by {by}"
 
 
 class Stopped:
