@@ -6,13 +6,14 @@
 One training run (an MLP of 3 x Linear(256, 256) with dropout, AdamW, float64,
 ``deterministic=12``, 60 steps of a 48-row global batch from
 ``pardist.data.shard(split_batches=True)``) is started with ``python -m pardist.launch``
-three ways: uninterrupted; with ``--keep-going``; and with ``--max-restarts 1``,
+four ways: uninterrupted; with ``--keep-going``; with ``--max-restarts 1``,
 checkpointing every 10 steps and resuming from the last checkpoint (the way to survive a
-lost rank without --keep-going). In the last two, one random rank SIGKILLs itself 20 ms
-into a random step. Reported per way, over the runs: the seconds from the kill to the
-next completed step, the steps computed again (those since the last checkpoint), the
-samples dropped, and the final parameters against the uninterrupted run's (max abs
-difference; how many runs were ``torch.equal``). Writes
+lost rank without --keep-going); and with both, where a replacement joins the survivors at
+their next save and receives their state from a peer. In all but the first, one random
+rank SIGKILLs itself 20 ms into a random step. Reported per way, over the runs: the
+seconds from the kill to the next completed step, the steps computed again (those since
+the last checkpoint), the samples dropped, and the final parameters against the
+uninterrupted run's (max abs difference; how many runs were ``torch.equal``). Writes
 benchmarks/results/keep_going.{md,json}.
 """
 
@@ -92,8 +93,11 @@ def log(**fields) -> None:
 
 def run(way: str, ranks: int, victim: int, kill_at: int, tmp: str) -> dict:
     out = os.path.join(tmp, f"{way}-{time.monotonic_ns()}.pt")
-    ckpt = tempfile.mkdtemp(prefix="ckpt-", dir=tmp) if way == "restart" else ""  # a new one
-    flags = {"none": [], "keep": ["--keep-going"], "restart": ["--max-restarts", "1"]}[way]
+    saves = way in ("restart", "rejoin")
+    ckpt = tempfile.mkdtemp(prefix="ckpt-", dir=tmp) if saves else ""  # a new one
+    flags = {"none": [], "keep": ["--keep-going"], "restart": ["--max-restarts", "1"]}.get(
+        way, ["--keep-going", "--max-restarts", "1"]
+    )
     cmd = [sys.executable, "-m", "pardist.launch", "--nproc", str(ranks), *flags]
     cmd += [str(HERE), "--worker", out, str(victim), str(kill_at), ckpt]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -112,12 +116,15 @@ def run(way: str, ranks: int, victim: int, kill_at: int, tmp: str) -> dict:
         if killed is not None and e["t"] > killed and (e["world"] < ranks or e["attempt"] > 0)
     ]
     computed = len({(e["rank"], e["step"]) for e in steps}) if steps else 0
+    shrunk = min((e["t"] for e in steps if e["world"] < ranks), default=None)
+    full = [e["t"] for e in steps if shrunk is not None and e["t"] > shrunk and e["world"] == ranks]
     per_rank = [e for e in steps if e["rank"] == min(e["rank"] for e in steps)]
     return dict(
         params=torch.load(out),
         recovery_s=(min(after) - killed) if after else None,
         redone=len(per_rank) - len({e["step"] for e in per_rank}),
         computed=computed,
+        full_s=(min(full) - killed) if full and killed is not None else None,
     )
 
 
@@ -131,11 +138,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    rows = {"keep": [], "restart": []}
+    rows = {"keep": [], "rejoin": [], "restart": []}
     with tempfile.TemporaryDirectory() as tmp:
         want = run("none", args.ranks, -1, -1, tmp)["params"]
         for i in range(args.runs):
-            victim, kill_at = rng.randrange(args.ranks), rng.randrange(5, STEPS - 5)
+            # (before the last save but one: a replacement joins at the next save)
+            victim, kill_at = rng.randrange(args.ranks), rng.randrange(5, STEPS - 15)
             for way in rows:
                 got = run(way, args.ranks, victim, kill_at, tmp)
                 diff = max((got["params"][k] - want[k]).abs().max().item() for k in want)
@@ -148,6 +156,7 @@ def main() -> None:
                         equal=equal,
                         recovery_s=got["recovery_s"],
                         redone=got["redone"],
+                        full_s=got["full_s"],
                     )
                 )
                 print(f"run {i} {way}: {rows[way][-1]}", flush=True)
@@ -155,7 +164,11 @@ def main() -> None:
 
 
 def write(rows: dict, args) -> None:
-    names = {"keep": "`--keep-going`", "restart": "`--max-restarts 1`, checkpoint every 10"}
+    names = {
+        "keep": "`--keep-going`",
+        "rejoin": "`--keep-going --max-restarts 1`, a replacement joins at the next save",
+        "restart": "`--max-restarts 1`, checkpoint every 10",
+    }
     lines = [
         f"{args.ranks} CPU ranks, {args.runs} runs each, SIGKILL of a random rank 20 ms into "
         f"a random step of {STEPS} (`python benchmarks/keep_going.py --runs {args.runs} "
@@ -173,6 +186,15 @@ def write(rows: dict, args) -> None:
             f"{statistics.median(r['redone'] for r in got):.0f} | {dropped} | "
             f"{max(r['diff'] for r in got):.1e} | {sum(r['equal'] for r in got)} of {len(got)} |"
         )
+    full = [r["full_s"] for r in rows["rejoin"] if r["full_s"] is not None]
+    if full:
+        lines += [
+            "",
+            f"With a replacement, the run was back at {args.ranks} ranks "
+            f"{statistics.median(full):.2f} s (median; max {max(full):.2f} s) after the kill, "
+            f"at the survivors' next save (every {EVERY} steps), in {len(full)} of "
+            f"{len(rows['rejoin'])} runs.",
+        ]
     text = "\n".join(lines) + "\n"
     print(text)
     results = HERE.parent / "results"

@@ -43,6 +43,7 @@ from pardist.runtime import (
     MARKER,
     CheckpointError,
     _progress,
+    _rejoin,
     _safe_dcp,
     _tree,
     cause,
@@ -205,7 +206,9 @@ def save(
         last = latest(final.parent) if step is not None else None
         group = dist.group.WORLD if _distributed() else None
         raise save_error(exc, tmp, last, group) from exc
-    return _on_rank0(f"commit {final}", commit, tmp, final, step, len(named), keep)
+    done = _on_rank0(f"commit {final}", commit, tmp, final, step, len(named), keep)
+    _rejoin.take_in(named, step)  # --keep-going: replacements for lost ranks join here
+    return done
 
 
 def latest(path: str | os.PathLike, *, verify_files: bool = False) -> str | None:
@@ -342,6 +345,17 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     return _tree.tree_unflatten([loaded[key] for key, _ in named], treedef)
 
 
+def _joined(like: Any) -> Any:
+    named, treedef = _flat(like)
+    got, step = _rejoin.receive(named)
+    for key, leaf in named:
+        if _stateful(leaf):  # a loader continues from the survivors' position
+            leaf.load_state_dict(got[key])
+            got[key] = leaf
+    print(f"pardist.checkpoint: joined the run at step {step} (the state from rank 0)", flush=True)
+    return _tree.tree_unflatten([got[key] for key, _ in named], treedef)
+
+
 def resume(path: str | os.PathLike, like: Any, *, total: int | None = None, key: str = "epoch"):
     """The newest checkpoint in ``path`` loaded like ``like`` (``like`` itself if none),
     saying on rank 0 what it did.
@@ -359,6 +373,8 @@ def resume(path: str | os.PathLike, like: Any, *, total: int | None = None, key:
         >>> state = pardist.checkpoint.resume(d, {'w': torch.zeros(1), 'epoch': 0}, total=3)
         pardist.checkpoint: nothing left to do: epoch 3 of 3 already done (...)
     """
+    if _rejoin.joining():  # a replacement (--keep-going): the survivors' state, not a file
+        return _joined(like)
     _same_path(path, "pardist.checkpoint.resume")
     state = last = None
     for step in reversed(committed_steps(path)):  # the newest that reads back whole

@@ -92,9 +92,10 @@ def test_random_kills_end_bit_identical_to_the_uninterrupted_run(uninterrupted, 
         assert _same(got, uninterrupted), (kills, got["losses"], uninterrupted["losses"])
 
 
-def _launch(tmp_path: Path, *argv: str, shm: str = "1", timeout: float = 300):
+def _launch(tmp_path: Path, *argv: str, shm: str = "1", timeout: float = 300, restarts=0):
     out = tmp_path / "out.pt"
     cmd = [sys.executable, "-m", "pardist.launch", "--nproc", "3", "--keep-going"]
+    cmd += ["--max-restarts", str(restarts)] if restarts else []
     done = subprocess.run(
         [*cmd, str(SCRIPTS / "keep_going.py"), str(out), *argv],
         env={**os.environ, **ENV, "PARDIST_SHM": shm},
@@ -117,6 +118,28 @@ def test_the_launcher_goes_on_without_rank_0(uninterrupted, tmp_path):
     assert "saved by launch rank 1" in done.stdout, done.stdout
     assert "RankLostWarning: pardist (--keep-going): lost rank(s) [0]" in done.stderr
     assert got["world"] == 2 and _same(got, uninterrupted)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_replacement_joins_at_the_next_save_with_the_state_from_a_peer(
+    uninterrupted, tmp_path, victim
+):
+    # --max-restarts 1 under --keep-going: the launcher starts a replacement at once; the
+    # survivors take it in at their next save (every 2 calls) and send it their state.
+    # (The kill lands in call 2 or, at the latest, before call 3: never in a save.)
+    ckpt = tmp_path / "ckpt"
+    plan = f"{victim}:2:{random.Random(victim).random()}"
+    done, got = _launch(tmp_path, plan, "--ckpt", str(ckpt), restarts=1, timeout=500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = f"lost rank {victim} killed by SIGKILL (replaced by launch rank 3, which joined)"
+    assert said in done.stderr
+    assert "pardist.checkpoint: joined the run at step 4 (the state from rank 0)" in done.stdout
+    assert got["world"] == 3 and got["shrunk"] in ([2], [3])  # redone at 2, then 3 again
+    assert _same(got, uninterrupted)
+    for rank in range(3):  # every rank, the replacement's too, ends with the same bits
+        assert _same(torch.load(tmp_path / f"out.pt.{rank}", weights_only=False), uninterrupted)
+    assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [2, 4, 6, 8, 10]
 
 
 @pytest.mark.timeout(400)

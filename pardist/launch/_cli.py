@@ -89,8 +89,9 @@ def _parser():
         "--keep-going",
         action="store_true",
         help="one machine: a rank that dies is left behind and the others train on "
-        "without it, from the step that saw it go (docs/keep_going.md); the job "
-        "exits 0 when the survivors finish.",
+        "without it, from the step that saw it go (docs/keep_going.md); with "
+        "--max-restarts K, up to K replacements join at the survivors' next "
+        "pardist.checkpoint.save. The job exits 0 when the survivors finish.",
     )
     # None means "not given", so that --rdzv-endpoint alone can choose c10d.
     parser.set_defaults(rdzv_backend=os.environ.get("PET_RDZV_BACKEND"))
@@ -161,10 +162,10 @@ def prepare(argv: Sequence[str], *, check_ports: bool = True):
         args.nproc_per_node = str(max(count, 1))
 
     _, max_nodes = parse_min_max_nnodes(args.nnodes)
-    if args.keep_going and (max_nodes != 1 or args.max_restarts):
+    if args.keep_going and max_nodes != 1:
         raise SystemExit(
-            f"{WHERE}: --keep-going runs on one machine and restarts nothing (a lost rank "
-            "is left behind); drop --nnodes/--max-restarts, or --keep-going."
+            f"{WHERE}: --keep-going runs on one machine (a lost rank is left behind, or "
+            "replaced under --max-restarts); drop --nnodes, or --keep-going."
         )
     if args.rdzv_backend is None:
         single = max_nodes == 1 and args.master_port is None

@@ -15,13 +15,14 @@ exits 0 when every surviving rank has finished, and says which ranks were lost a
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from pardist.runtime import _join, _listen, _survive
+from pardist.runtime import _join, _listen, _rejoin, _survive
 from pardist.transport import _alive, _segments
 
 __all__ = ["run"]
@@ -38,7 +39,7 @@ def _command(args) -> list[str]:
     return [sys.executable, "-u", args.training_script, *args.training_script_args]
 
 
-def _environment(rank: int, world: int, port: int, env: dict) -> dict:
+def _environment(rank: int, world: int, port: int, env: dict, budget: int) -> dict:
     out = dict(os.environ, **env)
     out.update(
         RANK=str(rank),
@@ -52,10 +53,65 @@ def _environment(rank: int, world: int, port: int, env: dict) -> dict:
         TORCHELASTIC_USE_AGENT_STORE="True",
         PARDIST_LAUNCHER_PID=str(os.getpid()),
     )
-    out[_survive.ENV] = "1"
+    out[_survive.ENV], out[_rejoin.BUDGET] = "1", str(budget)
     if world > 1:
         out.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks share the cores
     return out
+
+
+class _Run:
+    """The ranks of one run, as the launcher sees them: who is in the group (``members``,
+    launch ranks in group order), who was lost and how, the replacements starting."""
+
+    def __init__(self, args, env: dict, store, word, budget: int):
+        self.world, self.word, self.budget = int(args.nproc_per_node), word, budget
+        self.replacements = budget  # (every rank is told the whole budget)
+        self.command, self.env, self.port = _command(args), env, store.port
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.slot: dict[int, int] = {}  # launch rank -> its RANK (a replacement: the lost one's)
+        self.members, self.lost, self.generation = list(range(self.world)), {}, 0
+        self.starting: dict[int, int] = {}  # replacement -> the launch rank it replaces
+        self.replaced: dict[int, int] = {}  # lost launch rank -> its replacement
+        for rank in range(self.world):
+            self._start(rank, rank)
+
+    def _start(self, name: int, slot: int) -> None:
+        env = _environment(slot, self.world, self.port, self.env, self.replacements)
+        if name != slot:
+            env[_survive.ID] = str(name)
+        self.slot[name] = slot
+        self.procs[name] = subprocess.Popen(self.command, env=env)
+
+    def _publish(self) -> None:
+        self.generation += 1
+        self.word.set(_rejoin.STARTING, json.dumps(sorted(self.starting)))
+        _survive.publish(self.word, self.generation, self.members, self.lost)
+
+    def gone(self, name: int, how: str) -> None:
+        """``name`` exited with an error or was killed."""
+        self.lost[name] = how
+        if self.starting.pop(name, None) is not None:  # a replacement that never joined
+            self.word.set(_rejoin.STARTING, json.dumps(sorted(self.starting)))
+            return
+        self.members.remove(name)
+        if not any(self.procs[m].poll() is None for m in self.members):
+            return
+        if self.budget > 0:  # started first, so that the survivors' next save waits for it
+            self.budget -= 1
+            new = len(self.procs)
+            self._start(new, self.slot[name])
+            self.starting[new], self.replaced[name] = name, new
+        self._publish()  # the others go on without it
+
+    def take(self) -> None:
+        """The survivors' main rank asked to take in the replacements that are ready."""
+        key = _rejoin.take_key(self.generation)
+        if not self.word.check([key]):
+            return
+        for name in json.loads(self.word.get(key)):
+            if self.starting.pop(name, None) is not None and self.procs[name].poll() is None:
+                self.members.append(name)
+        self._publish()  # (the same members again, if the replacement died meanwhile)
 
 
 def run(args, env: dict) -> int:
@@ -70,18 +126,14 @@ def run(args, env: dict) -> int:
         wait_for_workers=False,
     )
     word = _survive.launcher_view(store, env.get(_join.SECRET, ""))
-    procs = [
-        subprocess.Popen(_command(args), env=_environment(r, world, store.port, env))
-        for r in range(world)
-    ]
-    lost: dict[int, str] = {}
+    ranks = _Run(args, env, store, word, int(args.max_restarts or 0))
     stopped, fenced = _alive.Stopped(), {}
 
     def stop(signum, _frame):
-        for proc in procs:
+        for proc in ranks.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signum)
-        for proc in procs:
+        for proc in ranks.procs.values():
             proc.wait()
         print(f"{WHERE}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         raise SystemExit(128 + signum)
@@ -89,36 +141,49 @@ def run(args, env: dict) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     try:
-        running = set(range(world))
-        while running:
+        done: set[int] = set()
+        while set(ranks.members) - done:
             time.sleep(_POLL_S)
-            for rank in sorted(running):
-                code = procs[rank].poll()
+            for name in sorted(set(ranks.procs) - done):
+                proc = ranks.procs[name]
+                code = proc.poll()
                 if code is None:
-                    if stopped.held(rank, _alive.state(procs[rank].pid) == "T"):
-                        procs[rank].kill()  # fenced off: it can never come back mid-step
-                        fenced[rank] = _alive.fenced("the launcher")
+                    if stopped.held(name, _alive.state(proc.pid) == "T"):
+                        proc.kill()  # fenced off: it can never come back mid-step
+                        fenced[name] = _alive.fenced("the launcher")
                     continue
-                running.discard(rank)
+                done.add(name)
                 if code != 0:
-                    lost[rank] = fenced.get(rank) or _survive.how_it_died(code)
-                    if running:  # the others go on without it
-                        _survive.publish(word, world, lost)
+                    ranks.gone(name, fenced.get(name) or _survive.how_it_died(code))
+            ranks.take()
+        for name in ranks.starting:  # the run ended before it saved again
+            ranks.procs[name].terminate()
+            ranks.procs[name].wait()
     finally:
         _segments.clean_stale()
-    return _report(world, lost)
+    return _report(ranks)
 
 
-def _report(world: int, lost: dict[int, str]) -> int:
+def _report(ranks: _Run) -> int:
+    lost, world = ranks.lost, ranks.world
     if not lost:
         return 0
-    names = "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
-    if len(lost) == world:
+
+    def said(name: int) -> str:
+        new = ranks.replaced.get(name)
+        if new is None:
+            return f"rank {name} {lost[name]}"
+        if new in ranks.members:
+            return f"rank {name} {lost[name]} (replaced by launch rank {new}, which joined)"
+        return f"rank {name} {lost[name]} (its replacement, launch rank {new}, never joined)"
+
+    names = "; ".join(said(r) for r in sorted(lost))
+    if not ranks.members:
         print(f"{WHERE}: every rank was lost ({names}).", file=sys.stderr, flush=True)
         return 1
     print(
-        f"{WHERE}: finished with {world - len(lost)} of {world} ranks; lost {names} "
-        "(the others went on without it).",
+        f"{WHERE}: finished with {len(ranks.members)} of {world} ranks; lost {names} "
+        f"(the others went on {'and took in replacements' if ranks.replaced else 'without it'}).",
         file=sys.stderr,
         flush=True,
     )

@@ -330,7 +330,8 @@ class Workers:
     def _publish(self, rank: int, how: str) -> None:
         """Tell the survivors (``runtime._survive``) that ``rank`` is gone and who is left."""
         self.lost[rank] = how
-        _survive.publish(self._word, self.nprocs, self.lost)
+        members = [r for r in range(self.nprocs) if r not in self.lost]
+        _survive.publish(self._word, len(self.lost), members, self.lost)
 
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; each rank's result, in rank order.

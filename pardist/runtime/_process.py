@@ -201,7 +201,11 @@ def start(backend: str | None = None, *, timeout: float | datetime.timedelta | N
         _started.update(kwargs)
         _listen.gloo_on_loopback()
         _faults.record_uncaught()
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if os.environ.get(_survive.ID):  # a replacement for a lost rank (--keep-going)
+            from pardist.runtime import _rejoin
+
+            _rejoin.wait_to_join(_join.secret_keys(_attempt_store(kwargs["timeout"])))
+        elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             rank_, world = _join.rank_in_world()
             store = _attempt_store(kwargs["timeout"]) or _env_store(kwargs["timeout"])
             if store is not None:

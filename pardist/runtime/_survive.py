@@ -30,9 +30,13 @@ from pardist.runtime import _faults, _warnings
 
 __all__ = [
     "ENV",
+    "after",
     "again_if_lost",
     "enabled",
+    "enter",
+    "hooks",
     "how_it_died",
+    "latest",
     "launch_rank",
     "launcher_view",
     "members_key",
@@ -43,9 +47,11 @@ __all__ = [
     "regroup",
     "reread",
     "remember",
+    "state",
 ]
 
 ENV = "PARDIST_KEEP_GOING"
+ID = "PARDIST_KEEP_GOING_ID"  # a replacement's name in memberships (runtime._rejoin)
 _WAIT_S = 20.0  # how long a rank whose step failed waits for the launcher's word
 _state: dict = {"store": None, "generation": 0, "members": None}
 _hooks: list[Callable[[int, int], None]] = []
@@ -58,8 +64,9 @@ def enabled() -> bool:
 
 
 def launch_rank() -> int:
-    """This process's rank when the run started (``RANK``): its name in memberships."""
-    return int(os.environ.get("RANK", "0"))
+    """This process's name in memberships: its rank when the run started (``RANK``), or
+    the number the launcher gave a replacement (``PARDIST_KEEP_GOING_ID``)."""
+    return int(os.environ.get(ID) or os.environ.get("RANK", "0"))
 
 
 def how_it_died(code: int | None) -> str:
@@ -86,12 +93,11 @@ def launcher_view(store, secret: str, attempt: str = "0"):
     return dist.PrefixStore(f"pardist-run-{secret}", view) if secret else view
 
 
-def publish(view, world: int, lost: dict[int, str]) -> None:
-    """The launcher's word (through :func:`launcher_view`): the launch ranks of ``world``
-    not in ``lost`` (rank to how it died) go on, as the generation ``len(lost)``."""
-    members = [r for r in range(world) if r not in lost]
+def publish(view, generation: int, members: list[int], lost: dict[int, str]) -> None:
+    """The launcher's word (through :func:`launcher_view`): the launch ranks ``members``
+    go on, in that order, as ``generation``; ``lost`` maps each lost one to how it died."""
     word = {"members": members, "lost": {str(r): how for r, how in lost.items()}}
-    view.set(members_key(len(lost)), json.dumps(word))
+    view.set(members_key(generation), json.dumps(word))
 
 
 def remember(store, world: int) -> None:
@@ -149,18 +155,24 @@ def again_if_lost(fn: Callable, where: str):
     return fn()
 
 
-def _latest(store, after: int) -> int:
+def state() -> dict:
+    """This rank's view: the run's ``store``, the ``generation`` and its ``members``."""
+    return _state
+
+
+def latest(store, after: int) -> int:
+    """The newest generation the launcher has published (``after`` if none since)."""
     generation = after
     while store.check([members_key(generation + 1)]):
         generation += 1
     return generation
 
 
-def _wait_for_word(store, error: BaseException) -> int:
+def _wait_for_word(store, error: BaseException, wait_s: float = _WAIT_S) -> int:
     """The newest generation after ours, once the launcher has published one."""
-    deadline = time.monotonic() + _WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
-        newest = _latest(store, _state["generation"])
+        newest = latest(store, _state["generation"])
         if newest > _state["generation"]:
             return newest
         if time.monotonic() > deadline:  # nobody died: a real mismatch, or a hang
@@ -198,6 +210,42 @@ def _all_here(store, generation: int, members: list[int]) -> bool:
         time.sleep(0.01)
 
 
+def enter(store, generation: int, start: Callable) -> tuple[dict, int]:
+    """Sign in under ``generation`` (or a newer one, where one came meanwhile) and start
+    its group with ``start(store, rank, world)``; what the launcher said, and the
+    generation entered. A rank that the launcher counted out exits."""
+    while True:
+        word = json.loads(store.get(members_key(generation)))
+        if launch_rank() not in word["members"]:  # the launcher counted this rank out
+            os._exit(1)
+        if _all_here(store, generation, word["members"]):
+            break
+        generation = latest(store, generation)
+    members = word["members"]
+    rank, world = members.index(launch_rank()), len(members)
+    start(dist.PrefixStore(f"pardist/keep-going/group/{generation}", store), rank, world)
+    _state.update(generation=generation, members=members)
+    return word, generation
+
+
+def after(generation: int) -> int:
+    """The newest generation after ``generation``, once the launcher has published one
+    (within the collective timeout)."""
+    error = _faults.CollectiveTimeout(
+        f"pardist (--keep-going): the launcher published no membership after generation "
+        f"{generation} within {_faults.timeout_seconds():.0f} s.",
+        [],
+        "the launcher's word",
+    )
+    return _wait_for_word(_state["store"], error, _faults.timeout_seconds())
+
+
+def hooks(rank: int, world: int) -> None:
+    """Tell the loaders and steps (:func:`on_regroup`) of the group that has started."""
+    for hook in _hooks:
+        hook(rank, world)
+
+
 def regroup(error: BaseException, leave: Callable, start: Callable) -> dict:
     """After ``error`` (a peer lost inside a step): the group over the survivors.
 
@@ -213,25 +261,18 @@ def regroup(error: BaseException, leave: Callable, start: Callable) -> dict:
     generation = _wait_for_word(store, error)
     _let_go(error)
     leave()  # first: a survivor still in one of its collectives is waiting for this one
-    while True:
-        word = json.loads(store.get(members_key(generation)))
-        members = word["members"]
-        if launch_rank() not in members:  # the launcher counted this rank out
-            os._exit(1)
-        if _all_here(store, generation, members):
-            break
-        generation = _latest(store, generation)
-    rank, world = members.index(launch_rank()), len(members)
     before = _state["members"]
-    start(dist.PrefixStore(f"pardist/keep-going/group/{generation}", store), rank, world)
-    _state.update(generation=generation, members=members)
+    word, generation = enter(store, generation, start)
+    members = word["members"]
+    rank, world = members.index(launch_rank()), len(members)
     gone = [k for k, m in enumerate(before) if m not in members]
     how = "; ".join(f"rank {k}: {word['lost'].get(str(before[k]), 'lost')}" for k in gone)
+    came = [m for m in members if m not in before]
+    joined = f" and took in {len(came)} replacement(s)" if came else ""
     _warnings.warn(
-        f"pardist (--keep-going): lost rank(s) {gone} ({how}); going on with {world} "
-        f"rank(s), this one now rank {rank}.",
+        f"pardist (--keep-going): lost rank(s) {gone} ({how}){joined}; going on with "
+        f"{world} rank(s), this one now rank {rank}.",
         _warnings.RankLostWarning,
     )
-    for hook in _hooks:
-        hook(rank, world)
+    hooks(rank, world)
     return dict(word, generation=generation)

@@ -97,6 +97,7 @@ class Step:
         self.keep_going = _survive.enabled()  # (read once: the environment is the launcher's)
         if self.keep_going:  # a failed call is redone from its inputs (step._survivor)
             self.donate_argnums = ()
+            _survivor.track(self)  # (its caches follow a new group, lost rank or joined)
         self._last = None
         self._consumed = Consumed(self.where, self.donate_argnums)  # donated, not returned
         self.compile_option = compile
@@ -222,6 +223,8 @@ class Step:
             return self._call(mesh, axes, args, kwargs)
         if self.key is None:
             self.key = _handshake.key(self.where, self.fn)
+            if self.keep_going:  # a replacement's first call: the survivors' next one
+                self.entered, self.calls = _survivor.adopt(self.key, self.entered, self.calls)
         group, count = ref.get(), _rng.rng_count()
         try:
             # A peer lost inside the call, in pardist's words whichever collective saw it
@@ -236,6 +239,7 @@ class Step:
             return _survivor.survive(self, error, args, kwargs, count)  # (--keep-going)
         if self.keep_going:
             self._last = out  # what a survivor behind would need (step._survivor)
+            _survivor.note(self)
         return out
 
     def _call(self, mesh, axes, args: tuple, kwargs: dict):

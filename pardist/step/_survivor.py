@@ -22,15 +22,16 @@ compiled step is compiled again, once, for the new size.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 from pardist.compile import _step
-from pardist.runtime import _compat_inductor, _mesh, _process, _rng, _survive
+from pardist.runtime import _compat_inductor, _mesh, _process, _rejoin, _rng, _survive
 from pardist.step._specs import P
 
-__all__ = ["survive"]
+__all__ = ["adopt", "note", "survive", "track"]
 
 
 def _sharded(spec: Any) -> bool:
@@ -60,17 +61,46 @@ def _reread(step, args: tuple, axes: tuple) -> tuple:
     return tuple(out)
 
 
+def track(step) -> None:
+    """Follow the new groups of ``--keep-going`` (a rank lost, or replacements taken in)."""
+    _steps.add(step)
+
+
+def _forget(rank: int, world: int) -> None:
+    """A new group: every step's caches of the old one go; compiled ones compile again."""
+    reset = False
+    for step in list(_steps):
+        step._groups.clear()
+        step._specs_cache.clear()
+        step.reducers.clear()
+        if step.compiled is not None:  # compiled anew for the new world size, once
+            if not reset:  # (dynamo's caches hold the old group's constants)
+                _compat_inductor.reset_dynamo()
+                reset = True
+            step.compiled = _step.compiled_step(step.compile_option, step.where)
+
+
+def note(step) -> None:
+    """After a call: its counts, which a replacement taken in later adopts."""
+    _rejoin.note(step.key, step.entered, step.calls)
+
+
+def adopt(key: int, entered: int, calls: int) -> tuple[int, int]:
+    """A step's counts at its first call: the survivors' (its call is then their next
+    one, and the checks of a first call, which they made long ago, are not made again)."""
+    theirs = _rejoin.adopted(key)
+    return (entered, calls) if theirs is None else (theirs[0] + 1, theirs[1])
+
+
+_steps: weakref.WeakSet = weakref.WeakSet()
+_survive.on_regroup(_forget)
+
+
 def survive(step, error: BaseException, args: tuple, kwargs: dict, count: int) -> Any:
     """The result of the failed call, over the survivors (``error`` if nobody died)."""
     if step.mesh is not None:  # made over the old group: it cannot follow the survivors
         raise error
-    _survive.regroup(error, _process.leave, _process.join)
-    step._groups.clear()
-    step._specs_cache.clear()
-    step.reducers.clear()
-    if step.compiled is not None:  # compiled anew for the new world size, once
-        _compat_inductor.reset_dynamo()  # (its caches hold the old group's constants)
-        step.compiled = _step.compiled_step(step.compile_option, step.where)
+    _survive.regroup(error, _process.leave, _process.join)  # (every step forgets its group)
     calls = [None] * dist.get_world_size()
     dist.all_gather_object(calls, step.entered)
     behind, ahead = min(calls), max(calls)

@@ -1,6 +1,8 @@
 """A small training run that loses ranks on request, for ``--keep-going``'s tests.
 
     python -m pardist.launch --nproc 3 --keep-going keep_going.py OUT [PLAN] [--stop]
+    python -m pardist.launch --nproc 3 --keep-going --max-restarts 1 keep_going.py \
+        OUT PLAN --ckpt DIR
 
 PLAN is ``rank:step:fraction,...``: that launch rank kills itself (SIGKILL, or stops
 itself with ``--stop``) after ``fraction`` of a call's time (the median of its calls so
@@ -11,10 +13,14 @@ inside the run). The run is ``deterministic=12`` in float64 with dropout, fed
 by ``pardist.data.shard(split_batches=True)``, then evaluated through a sharded loader
 and ``pardist.gather``; the new main rank saves the parameters, the optimizer state, the
 losses, the predictions, the number of steps and the world size at the end to OUT.
+With ``--ckpt DIR`` it resumes from DIR and saves there every 2 calls (a replacement
+started by ``--max-restarts`` joins at such a save), and every rank saves its own
+result to OUT.<rank>.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -54,7 +60,15 @@ def train(kills: dict, stop: bool = False, **kw) -> dict:
     return dict(out, said=lost, warned=[str(w.message) for w in seen])
 
 
-def _train(kills: dict, stop: bool, groups=12, until=None, start=None, compile=False) -> dict:
+def _saved(params, state, data, calls: int, losses: list) -> dict:
+    """What a checkpoint keeps (``--ckpt``): all that the loop needs to go on."""
+    losses, rng = json.dumps(losses), pardist.rng_count()
+    return dict(params=params, state=state, data=data, calls=calls, losses=losses, rng=rng)
+
+
+def _train(
+    kills: dict, stop: bool, groups=12, until=None, start=None, compile=False, ckpt=None
+) -> dict:
     me = int(os.environ.get("RANK", "0"))
     pardist.seed_everything(0)
     x = torch.randn(ROWS, 5, dtype=torch.float64)
@@ -85,6 +99,11 @@ def _train(kills: dict, stop: bool, groups=12, until=None, start=None, compile=F
         data.set_epoch(calls // len(data))
         data.load_state_dict(start["data"])
         pardist.set_rng_count(start["rng"])
+    if ckpt is not None:  # every 2 calls; a replacement (--max-restarts) joins at a save
+        saved = pardist.checkpoint.resume(ckpt, _saved(params, state, data, 0, []))
+        params, state, calls = saved["params"], saved["state"], saved["calls"]
+        losses = json.loads(saved["losses"])
+        pardist.set_rng_count(saved["rng"])
     sig = signal.SIGSTOP if stop else signal.SIGKILL
     for epoch in range(calls // len(data), EPOCHS):
         data.set_epoch(epoch)
@@ -103,6 +122,9 @@ def _train(kills: dict, stop: bool, groups=12, until=None, start=None, compile=F
                 shrunk.append(calls)  # this call was redone over the survivors
             losses.append(loss.item())
             calls += 1
+            if ckpt is not None and calls % 2 == 0 and calls < EPOCHS * len(data):
+                kept = _saved(params, state, data, calls, losses)
+                pardist.checkpoint.save(ckpt, kept, step=calls)
             if calls == until:
                 saved = dict(data=data.state_dict(), rng=pardist.rng_count())
                 return dict(params=params, state=state, calls=calls, losses=losses, **saved)
@@ -119,9 +141,12 @@ def _train(kills: dict, stop: bool, groups=12, until=None, start=None, compile=F
 
 if __name__ == "__main__":
     pardist.init()
-    args = [a for a in sys.argv[1:] if a != "--stop"]
-    out = train(plan(args[1] if len(args) > 1 else ""), stop="--stop" in sys.argv)
+    ckpt = sys.argv[sys.argv.index("--ckpt") + 1] if "--ckpt" in sys.argv else None
+    args = [a for a in sys.argv[1:] if a not in ("--stop", "--ckpt", ckpt)]
+    out = train(plan(args[1] if len(args) > 1 else ""), stop="--stop" in sys.argv, ckpt=ckpt)
     if pardist.is_main():
         torch.save(out, args[0])
         print(f"saved by launch rank {os.environ.get('RANK', '0')}", flush=True)
+    if ckpt is not None:  # every rank's own result, a replacement's included
+        torch.save(out, f"{args[0]}.{pardist.rank()}")
     pardist.shutdown()
