@@ -45,6 +45,7 @@ from pardist.runtime import (
     _progress,
     _rejoin,
     _safe_dcp,
+    _survive,
     _tree,
     cause,
     claim_folder,
@@ -155,6 +156,11 @@ def save(
     """
     if keep is not None and (step is None or keep < 1):
         raise ValueError(f"pardist.checkpoint.save: keep={keep!r} needs step= and keep >= 1.")
+    # (--keep-going: a rank lost in the save, the survivors save again without it)
+    return _survive.again_if_lost(lambda: _save(path, tree, step, keep), "pardist.checkpoint.save")
+
+
+def _save(path, tree: Any, step: int | None, keep: int | None) -> str:
     _same_path(path, "pardist.checkpoint.save")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner

@@ -141,18 +141,19 @@ def reread(batch):
 
 
 def again_if_lost(fn: Callable, where: str):
-    """``fn()`` outside any step (a loader's check at the start of a pass); where a peer
-    was lost in it under --keep-going, ``fn()`` again over the survivors."""
+    """``fn()`` outside any step (a loader's check at the start of a pass, a checkpoint's
+    save); where a peer was lost in it under --keep-going, ``fn()`` again over the
+    survivors (as often as ranks are lost)."""
     if not enabled() or _state["store"] is None:
         return fn()
-    try:
-        with _faults.collective_errors(where, dist.group.WORLD):
-            return fn()
-    except _faults.KEEP_GOING_ON as error:
-        from pardist.runtime import _process
+    while True:
+        try:
+            with _faults.collective_errors(where, dist.group.WORLD):
+                return fn()
+        except _faults.KEEP_GOING_ON as error:
+            from pardist.runtime import _process
 
-        regroup(error, _process.leave, _process.join)
-    return fn()
+            regroup(error, _process.leave, _process.join)
 
 
 def state() -> dict:

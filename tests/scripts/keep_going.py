@@ -4,7 +4,8 @@
     python -m pardist.launch --nproc 3 --keep-going --max-restarts 1 keep_going.py \
         OUT PLAN --ckpt DIR
 
-PLAN is ``rank:step:fraction,...``: that launch rank kills itself (SIGKILL, or stops
+PLAN is ``rank:step:fraction,...`` (a step ``4s``: the save after 4 calls, with
+``--ckpt``): that launch rank kills itself (SIGKILL, or stops
 itself with ``--stop``) after ``fraction`` of a call's time (the median of its calls so
 far) into call ``step`` of the step: a timer thread, so the signal lands anywhere in the
 call (forward, backward, the gradient reduction, the optimizer), or, where the thread
@@ -37,11 +38,12 @@ import pardist
 EPOCHS, ROWS, BATCH = 3, 96, 24  # 4 steps an epoch, 12 in all
 
 
-def plan(text: str) -> dict[int, tuple[int, float]]:
+def plan(text: str) -> dict[int, tuple]:
     out = {}
     for item in filter(None, text.split(",")):
         rank, step, delay = item.split(":")
-        out[int(rank)] = (int(step), float(delay))
+        save = step.endswith("s")  # "4s": in the checkpoint save after 4 calls (--ckpt)
+        out[int(rank)] = (int(step.removesuffix("s")), float(delay), *(("save",) if save else ()))
     return out
 
 
@@ -93,7 +95,7 @@ def _train(
         p, s = opt.update(g, s, p)
         return p, s, loss
 
-    calls, losses, took, timer, shrunk = 0, [], [], None, []
+    calls, losses, took, timer, shrunk, saves = 0, [], [], None, [], []
     if start is not None:  # a run resumed at another world size
         params, state, calls, losses = start["params"], start["state"], start["calls"], []
         data.set_epoch(calls // len(data))
@@ -110,7 +112,7 @@ def _train(
         for batch in data:
             if timer is not None and timer.is_alive() and timer.cancel() is None:
                 os.kill(os.getpid(), sig)  # not fired within its call: now, between calls
-            if me in kills and calls == kills[me][0]:
+            if me in kills and calls == kills[me][0] and len(kills[me]) == 2:
                 call_s = statistics.median(took[1:]) if len(took) > 1 else 0.005
                 timer = threading.Timer(kills[me][1] * call_s, os.kill, (os.getpid(), sig))
                 timer.start()
@@ -123,8 +125,13 @@ def _train(
             losses.append(loss.item())
             calls += 1
             if ckpt is not None and calls % 2 == 0 and calls < EPOCHS * len(data):
-                kept = _saved(params, state, data, calls, losses)
+                kept, started = _saved(params, state, data, calls, losses), time.perf_counter()
+                if me in kills and (calls, "save") == kills[me][::2]:  # into this save
+                    save_s = statistics.median(saves) if saves else 0.05
+                    timer = threading.Timer(kills[me][1] * save_s, os.kill, (os.getpid(), sig))
+                    timer.start()
                 pardist.checkpoint.save(ckpt, kept, step=calls)
+                saves.append(time.perf_counter() - started)
             if calls == until:
                 saved = dict(data=data.state_dict(), rng=pardist.rng_count())
                 return dict(params=params, state=state, calls=calls, losses=losses, **saved)
