@@ -159,7 +159,10 @@ def main() -> None:
     for hb, join in [(h, j) for j in args.join_timeout_ms for h in args.heartbeat_ms]:
         rng, got_rows = random.Random(args.seed), rows.setdefault(f"{hb},{join}", [])
         for i in range(args.runs):
-            victim, kill_at = rng.randrange(REPLICAS), rng.randrange(5, STEPS - 5)  # keep_going's
+            victim, kill_at = (
+                rng.randrange(REPLICAS),
+                rng.randrange(5, STEPS - 15),
+            )  # as keep_going.py draws
             try:
                 got = dict(victim=victim, kill_at=kill_at, **run(victim, kill_at, hb, join, tmp))
                 p = got.pop("params")
@@ -192,7 +195,7 @@ def main() -> None:
     out = HERE.parent / "results" / "keep_going_torchft"
     Path(f"{out}.md").write_text(text)
     body = json.dumps(dict(uninterrupted_twice=check, runs=rows), indent=1)
-    Path(f"{out}.json").write_text(f'{{"command": {json.dumps(command)},\n{body[1:]}')
+    Path(f"{out}.json").write_text(f'{{"command": {json.dumps(command)},\n{body[2:]}')
 
 
 if __name__ == "__main__":

@@ -357,6 +357,7 @@ def _joined(like: Any) -> Any:
     for key, leaf in named:
         if _stateful(leaf):  # a loader continues from the survivors' position
             leaf.load_state_dict(got[key])
+            getattr(leaf, "_after_join", lambda: None)()  # (part-way through a pass)
             got[key] = leaf
     print(f"pardist.checkpoint: joined the run at step {step} (the state from rank 0)", flush=True)
     return _tree.tree_unflatten([got[key] for key, _ in named], treedef)

@@ -144,7 +144,7 @@ class ShardedLoader:
         self._inner = self._make_inner()
         # --keep-going (data._regroup): the pass under way, how it was cut, the last batch.
         self._global_batch = batch_size
-        self._pass_order = self._layout = self._last_batch = None
+        self._pass_order = self._layout = self._last_batch = self._joined = None
         self._moved = False
         if check and axis is None and _survive.enabled():
             _regroup.track(self)
@@ -184,6 +184,9 @@ class ShardedLoader:
         :func:`pardist.checkpoint.save` calls it for a loader in the saved tree.
         """
         return _position.state(self)
+
+    def _after_join(self) -> None:
+        _regroup.joined(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (:meth:`state_dict`'s): the next pass resumes that epoch."""
@@ -262,6 +265,7 @@ class ShardedLoader:
         skip = self._skip[1] if self._skip and self._skip[0] == epoch else 0
         self._skip = None
         share = self._check and _process.is_initialized() and dist.get_world_size() > 1
+        share, self._joined = share and self._joined != epoch, None  # (data._regroup.joined)
         if share:
             _survive.again_if_lost(lambda: self._agree(epoch), _WHERE)
         order = self._order(epoch, share)

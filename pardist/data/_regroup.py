@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from pardist.runtime import _placement, _survive
 
-__all__ = ["Layout", "resize", "rest", "track"]
+__all__ = ["Layout", "joined", "resize", "rest", "track"]
 
 _WHERE = "pardist.data.shard (--keep-going)"
 _loaders: weakref.WeakSet = weakref.WeakSet()  # every loader sharded over the group
@@ -71,6 +71,14 @@ def resize(loader, rank: int, world: int) -> None:
         loader.samples = -(-loader.n // world)
         bs = loader.batch_size
         loader.batches = loader.samples // bs if loader.drop_last else -(-loader.samples // bs)
+
+
+def joined(loader) -> None:
+    """A replacement's loader, given the survivors' position (``checkpoint.resume``): where
+    that is part-way through a pass, its first pass makes none of the collectives of a
+    pass's start (the survivors are part-way through theirs, and make none)."""
+    if loader._skip is not None:
+        loader._joined = loader._skip[0]
 
 
 def track(loader) -> None:
