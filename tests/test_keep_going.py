@@ -169,6 +169,44 @@ def test_a_replacement_joins_at_the_next_save_with_the_state_from_a_peer(
     assert _checkpoints(ckpt) == ["10", "2", "4", "6", "8"]
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shm, plan", [("1", "2:4"), ("0", "0:3")], ids=["shared-memory", "gloo"])
+def test_a_replacement_joins_at_the_next_step_boundary_it_is_ready_for(
+    uninterrupted, tmp_path, shm, plan
+):
+    # No checkpoint at all: pardist.checkpoint.offer after every call. The replacement
+    # joins at the first offer after its pardist.init signed in: the one after the call
+    # redone over the survivors (where it was quick to start) or the next, where the
+    # script waits for it (the event); part-way through a pass, a kill of rank 0 on gloo.
+    victim = int(plan[0])
+    plan += f":{random.Random(plan).random() / 2}"
+    done, got = _launch(tmp_path, plan, "--offer", shm=shm, restarts=1, timeout=500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    said = f"lost rank {victim} killed by SIGKILL (replaced by launch rank 3, which joined)"
+    assert said in done.stderr
+    assert len(got["shrunk"]) == 1, got["shrunk"]
+    joined = re.findall(r"joined the run at step (\d+) \(the state from rank 0\)", done.stdout)
+    assert joined in ([str(got["shrunk"][0] + 1)], [str(got["shrunk"][0] + 2)]), joined
+    assert got["world"] == 3 and _same(got, uninterrupted)
+    for rank in range(3):  # every rank, the replacement's too, ends with the same bits
+        assert _same(torch.load(tmp_path / f"out.pt.{rank}", weights_only=False), uninterrupted)
+
+
+def test_offer_looks_at_nothing_without_replacements_and_refuses_code(monkeypatch):
+    from pardist.checkpoint import _resume
+    from pardist.runtime import _rejoin, _survive
+
+    code = {"step": 1, "where": Path("runs")}  # a leaf that only code rebuilds
+    monkeypatch.setitem(_resume._looked, "at", False)
+    pardist.checkpoint.offer(code, step=1)  # not under --keep-going --max-restarts
+    monkeypatch.setenv(_survive.ENV, "1")
+    pardist.checkpoint.offer(code, step=1)  # --keep-going without replacements
+    monkeypatch.setenv(_rejoin.BUDGET, "1")
+    with pytest.raises(TypeError, match=r"pardist.checkpoint.offer: tree\['where'\] is a \w*Path"):
+        pardist.checkpoint.offer(code, step=1)
+    assert code == {"step": 1, "where": Path("runs")}  # (nothing of it was touched)
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
 def test_a_stopped_rank_is_fenced_off_and_the_others_go_on(uninterrupted, tmp_path, shm):

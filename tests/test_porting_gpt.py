@@ -28,6 +28,10 @@ ROOT = Path(__file__).parents[1]
 SCRIPTS = {s: ROOT / "examples" / "porting" / f"gpt_{s}.py" for s in ("ddp", "pardist")}
 ARGS = ["--dtype", "float64", "--eval-interval", "6", "--eval-iters", "2", "--batch-size", "4"]
 VAL = re.compile(r"step (\d+): train loss ([0-9.]+), val loss ([0-9.]+)")
+# Each run is a torchrun of two processes (each one bounded by its subprocess timeout);
+# the resume test makes three. On a loaded 2-core machine that is more than the suite's
+# default 300 s, so the bound is the runs' own, not the machine's speed.
+pytestmark = pytest.mark.timeout(3 * 600 + 60)
 
 
 def _run(script: str, out: Path, iters: int, resume: bool = False) -> str:

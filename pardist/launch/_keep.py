@@ -85,7 +85,7 @@ class _Run:
     def _publish(self) -> None:
         self.generation += 1
         self.word.set(_rejoin.STARTING, json.dumps(sorted(self.starting)))
-        _survive.publish(self.word, self.generation, self.members, self.lost)
+        _survive.publish(self.word, self.generation, self.members, self.lost, self.starting)
 
     def gone(self, name: int, how: str) -> None:
         """``name`` exited with an error or was killed."""

@@ -238,7 +238,10 @@ def leave() -> None:
     for hook in _shutdown_hooks:
         hook()
     _faults.forget_labels()
-    if is_initialized():
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if is_initialized() and "nccl" in str(dist.get_backend()) and abort is not None:
+        abort()  # NCCL: a communicator with a dead peer is aborted (a destroy would wait)
+    elif is_initialized():
         dist.destroy_process_group()
     gc.collect()  # what held the old group in reference cycles
 

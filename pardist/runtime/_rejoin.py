@@ -3,16 +3,19 @@
 The launcher starts the replacement with the same command as soon as it learns of the
 death, before it tells the survivors (``runtime._survive``), and lists it as *starting*.
 The replacement's ``pardist.init`` signs in as ready and waits (:func:`wait_to_join`).
-The survivors take it in at their next ``pardist.checkpoint.save``, the step boundary
-where every rank holds the run's whole state, and the very tree the replacement's
-``pardist.checkpoint.resume`` asks for (:func:`take_in`):
+The survivors take it in at a step boundary where every rank holds the loop's whole
+state, the very tree the replacement's ``pardist.checkpoint.resume`` asks for: their
+next ``pardist.checkpoint.offer`` after it is ready, or their next
+``pardist.checkpoint.save``, which waits for it (:func:`take_in`). The launcher's word
+for a group lists the replacements on their way, so every survivor knows, with no
+collective, whether there is one to take in:
 
-1. the main rank waits until every replacement listed as starting is ready (or gone),
-   and asks the launcher to take them in; the launcher publishes the next generation,
-   the survivors followed by the replacements, as it publishes a loss;
+1. the main rank sees which are ready (a save waits for those still starting), tells
+   the others, and asks the launcher to take them in; the launcher publishes the next
+   generation, the survivors followed by the replacements, as it publishes a loss;
 2. the survivors leave their group and every member starts the new one;
-3. the main rank sends the state over the new group (:func:`send`): the tree being
-   saved (tensors by broadcast, loaders and other plain leaves as values), pardist's
+3. the main rank sends the state over the new group (:func:`send`): the tree offered
+   or saved (tensors by broadcast, loaders and other plain leaves as values), pardist's
    random count, and each step's count of calls, so that the replacement's first call
    is the survivors' next one. The replacement's ``resume`` returns it (:func:`receive`);
    no file is read.
@@ -101,23 +104,25 @@ def wait_to_join(store) -> None:
             raise TimeoutError(
                 f"pardist.init (a replacement, launch rank {me}): the survivors did not take "
                 f"it in within {_join.join_timeout().total_seconds():.0f} s. They take a "
-                "replacement in at their next pardist.checkpoint.save; a run that saves "
-                "rarely takes longer (raise PARDIST_JOIN_TIMEOUT)."
+                "replacement in at their next pardist.checkpoint.save or offer; a run that "
+                "calls neither often takes longer (raise PARDIST_JOIN_TIMEOUT)."
             )
         time.sleep(0.02)
     _survive.enter(store, generation, _process.join)
     _joined["waiting"] = True
 
 
-def _ready(store, ids: list[int]) -> list[int]:
-    """The main rank: waits until each of ``ids`` is ready or no longer starting."""
-    deadline = time.monotonic() + _join.join_timeout().total_seconds()
-    while time.monotonic() < deadline:
+def _ready(store, ids: list[int], wait: bool) -> tuple[list[int], list[int]]:
+    """The main rank: which of ``ids`` are ready, and which are gone (no longer starting);
+    with ``wait``, once each is one or the other (within the join timeout)."""
+    deadline = time.monotonic() + (_join.join_timeout().total_seconds() if wait else 0)
+    while True:
         alive = set(starting(store))
-        if all(store.check([ready_key(i)]) or i not in alive for i in ids):
-            break
+        ready = [i for i in ids if i in alive and store.check([ready_key(i)])]
+        gone = [i for i in ids if i not in alive]
+        if len(ready) + len(gone) == len(ids) or time.monotonic() >= deadline:
+            return ready, gone
         time.sleep(0.02)
-    return [i for i in ids if store.check([ready_key(i)]) and i in set(starting(store))]
 
 
 def _broadcast(value: Any) -> Any:
@@ -126,21 +131,22 @@ def _broadcast(value: Any) -> Any:
     return box[0]
 
 
-def take_in(named: list[tuple[str, Any]], step: int | None) -> None:
-    """At a save (every survivor calls it): take in the replacements that the launcher
-    started, and send them ``named`` (the tree being saved, its loaders as state dicts)."""
-    store = _survive.state()["store"]
-    if not replacing() or store is None or not dist.is_initialized():
-        return
+def take_in(named: list[tuple[str, Any]], step: int | None, wait: bool = True) -> bool:
+    """At a step boundary (every survivor calls it): take in the replacements that the
+    launcher started and that are ready, and send them ``named`` (the loop's state, its
+    loaders as state dicts); whether any joined. ``wait``: for those still starting.
+
+    The replacements expected come with the launcher's word for this group, the same on
+    every rank: with none, this makes no collective."""
+    store, expected = _survive.state()["store"], _survive.state()["expected"]
+    if not replacing() or store is None or not dist.is_initialized() or not expected:
+        return False
     main = dist.get_rank() == 0
-    before = _survive.state()["members"]
-    ids = _broadcast([i for i in starting(store) if i not in before] if main else None)
+    ids, gone = _broadcast(_ready(store, expected, wait) if main else None)
+    _survive.state()["expected"] = [i for i in expected if i not in ids and i not in gone]
     if not ids:
-        return
-    ids = _broadcast(_ready(store, ids) if main else None)
-    if not ids:
-        return
-    generation = _survive.state()["generation"]
+        return False
+    before, generation = _survive.state()["members"], _survive.state()["generation"]
     if main:
         store.set(take_key(generation), json.dumps(ids))
     generation = _survive.after(generation)
@@ -153,11 +159,12 @@ def take_in(named: list[tuple[str, Any]], step: int | None) -> None:
     _progress.print0(
         f"pardist (--keep-going): took in launch rank(s) {came}"
         + (f" (and lost rank(s) {gone})" if gone else "")
-        + f"; going on with {world} rank(s) from checkpoint step {step}."
+        + f"; going on with {world} rank(s) from step {step}."
     )
     _survive.hooks(rank, world)
     if came:
         _send(named, step)
+    return bool(came)
 
 
 def _meta(named: list[tuple[str, Any]], step: int | None) -> dict:

@@ -53,7 +53,7 @@ __all__ = [
 ENV = "PARDIST_KEEP_GOING"
 ID = "PARDIST_KEEP_GOING_ID"  # a replacement's name in memberships (runtime._rejoin)
 _WAIT_S = 20.0  # how long a rank whose step failed waits for the launcher's word
-_state: dict = {"store": None, "generation": 0, "members": None}
+_state: dict = {"store": None, "generation": 0, "members": None, "expected": []}
 _hooks: list[Callable[[int, int], None]] = []
 _rereaders: list[Callable] = []
 
@@ -93,16 +93,18 @@ def launcher_view(store, secret: str, attempt: str = "0"):
     return dist.PrefixStore(f"pardist-run-{secret}", view) if secret else view
 
 
-def publish(view, generation: int, members: list[int], lost: dict[int, str]) -> None:
+def publish(view, generation: int, members: list[int], lost: dict[int, str], starting=()) -> None:
     """The launcher's word (through :func:`launcher_view`): the launch ranks ``members``
-    go on, in that order, as ``generation``; ``lost`` maps each lost one to how it died."""
+    go on, in that order, as ``generation``; ``lost`` maps each lost one to how it died;
+    ``starting``: the replacements on their way, which the group may take in later."""
     word = {"members": members, "lost": {str(r): how for r, how in lost.items()}}
+    word["starting"] = sorted(starting)
     view.set(members_key(generation), json.dumps(word))
 
 
 def remember(store, world: int) -> None:
     """At the group's start: the run's store, through which later groups are formed."""
-    _state.update(store=store, generation=0, members=list(range(world)))
+    _state.update(store=store, generation=0, members=list(range(world)), expected=[])
 
 
 def refuse_sharded(where: str, what: str) -> None:
@@ -225,7 +227,8 @@ def enter(store, generation: int, start: Callable) -> tuple[dict, int]:
     members = word["members"]
     rank, world = members.index(launch_rank()), len(members)
     start(dist.PrefixStore(f"pardist/keep-going/group/{generation}", store), rank, world)
-    _state.update(generation=generation, members=members)
+    expected = [m for m in word.get("starting", []) if m not in members]
+    _state.update(generation=generation, members=members, expected=expected)
     return word, generation
 
 

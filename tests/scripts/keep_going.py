@@ -2,7 +2,7 @@
 
     python -m pardist.launch --nproc 3 --keep-going keep_going.py OUT [PLAN] [--stop]
     python -m pardist.launch --nproc 3 --keep-going --max-restarts 1 keep_going.py \
-        OUT PLAN --ckpt DIR
+        OUT PLAN --ckpt DIR | --offer
 
 PLAN is ``rank:step:fraction,...`` (a step ``4s``: the save after 4 calls, with
 ``--ckpt``): that launch rank kills itself (SIGKILL, or stops
@@ -16,7 +16,10 @@ and ``pardist.gather``; the new main rank saves the parameters, the optimizer st
 losses, the predictions, the number of steps and the world size at the end to OUT.
 With ``--ckpt DIR`` it resumes from DIR and saves there every 2 calls (a replacement
 started by ``--max-restarts`` joins at such a save), and every rank saves its own
-result to OUT.<rank>.
+result to OUT.<rank>. With ``--offer`` (and no ``--ckpt``) it saves nothing and calls
+``pardist.checkpoint.offer`` after every call instead: a replacement joins at the first
+one after it is ready, and at the second call after the loss the ranks wait until it is
+(the test's event), so that it joins there at the latest.
 """
 
 from __future__ import annotations
@@ -68,9 +71,19 @@ def _saved(params, state, data, calls: int, losses: list) -> dict:
     return dict(params=params, state=state, data=data, calls=calls, losses=losses, rng=rng)
 
 
+def _until_ready() -> None:
+    """Wait until the replacements on their way have signed in (the launcher's store)."""
+    from pardist.runtime import _rejoin, _survive
+
+    store, expected = _survive.state()["store"], _survive.state()["expected"]
+    while not all(store.check([_rejoin.ready_key(i)]) for i in expected):
+        time.sleep(0.02)
+
+
 def _train(
-    kills: dict, stop: bool, groups=12, until=None, start=None, compile=False, ckpt=None
-) -> dict:
+    kills: dict, stop: bool, groups=12, until=None, start=None, compile=False, ckpt=None,
+    offer=False,
+) -> dict:  # fmt: skip
     me = int(os.environ.get("RANK", "0"))
     pardist.seed_everything(0)
     x = torch.randn(ROWS, 5, dtype=torch.float64)
@@ -101,7 +114,7 @@ def _train(
         data.set_epoch(calls // len(data))
         data.load_state_dict(start["data"])
         pardist.set_rng_count(start["rng"])
-    if ckpt is not None:  # every 2 calls; a replacement (--max-restarts) joins at a save
+    if ckpt is not None or offer:  # a replacement (--max-restarts) joins at a save or offer
         saved = pardist.checkpoint.resume(ckpt, _saved(params, state, data, 0, []))
         params, state, calls = saved["params"], saved["state"], saved["calls"]
         losses = json.loads(saved["losses"])
@@ -132,6 +145,10 @@ def _train(
                     timer.start()
                 pardist.checkpoint.save(ckpt, kept, step=calls)
                 saves.append(time.perf_counter() - started)
+            if offer and calls < EPOCHS * len(data):
+                if shrunk and calls == shrunk[0] + 2:
+                    _until_ready()
+                pardist.checkpoint.offer(_saved(params, state, data, calls, losses), step=calls)
             if calls == until:
                 saved = dict(data=data.state_dict(), rng=pardist.rng_count())
                 return dict(params=params, state=state, calls=calls, losses=losses, **saved)
@@ -149,11 +166,13 @@ def _train(
 if __name__ == "__main__":
     pardist.init()
     ckpt = sys.argv[sys.argv.index("--ckpt") + 1] if "--ckpt" in sys.argv else None
-    args = [a for a in sys.argv[1:] if a not in ("--stop", "--ckpt", ckpt)]
-    out = train(plan(args[1] if len(args) > 1 else ""), stop="--stop" in sys.argv, ckpt=ckpt)
+    offer = "--offer" in sys.argv
+    args = [a for a in sys.argv[1:] if a not in ("--stop", "--ckpt", ckpt, "--offer")]
+    kills = plan(args[1] if len(args) > 1 else "")
+    out = train(kills, stop="--stop" in sys.argv, ckpt=ckpt, offer=offer)
     if pardist.is_main():
         torch.save(out, args[0])
         print(f"saved by launch rank {os.environ.get('RANK', '0')}", flush=True)
-    if ckpt is not None:  # every rank's own result, a replacement's included
+    if ckpt is not None or offer:  # every rank's own result, a replacement's included
         torch.save(out, f"{args[0]}.{pardist.rank()}")
     pardist.shutdown()

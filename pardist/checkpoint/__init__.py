@@ -1,4 +1,4 @@
-"""Checkpoints of pytrees with torch.distributed.checkpoint (DCP): save, load, latest.
+"""Checkpoints of pytrees with torch.distributed.checkpoint (DCP): save, load, latest, resume.
 
 A checkpoint is a directory that DCP writes (``.metadata`` plus ``*.distcp`` data
 files) and that pardist commits atomically: every rank writes into
@@ -26,6 +26,9 @@ Typical use, the same under ``python`` and ``torchrun``::
         state = pardist.checkpoint.load(ckpt, state)      # resume
     ...
     pardist.checkpoint.save('ckpts', state, step=state['step'], keep=3)
+
+``resume`` and ``offer`` (a replacement's state, under ``--keep-going``) are in
+``_resume``. May import ``pardist.runtime``, ``pardist.transport`` and ``pardist.step``.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ from pardist import transport
 from pardist.runtime import (
     MARKER,
     CheckpointError,
-    _progress,
     _rejoin,
     _safe_dcp,
     _survive,
@@ -57,7 +59,7 @@ from pardist.runtime import (
 )
 from pardist.step import _replication
 
-__all__ = ["MARKER", "CheckpointError", "latest", "load", "resume", "save", "steps"]
+__all__ = ["MARKER", "CheckpointError", "latest", "load", "offer", "resume", "save", "steps"]
 
 steps = committed_steps  # the steps of the committed checkpoints in a directory
 
@@ -351,68 +353,5 @@ def load(path: str | os.PathLike, like: Any) -> Any:
     return _tree.tree_unflatten([loaded[key] for key, _ in named], treedef)
 
 
-def _joined(like: Any) -> Any:
-    named, treedef = _flat(like)
-    got, step = _rejoin.receive(named)
-    for key, leaf in named:
-        if _stateful(leaf):  # a loader continues from the survivors' position
-            leaf.load_state_dict(got[key])
-            getattr(leaf, "_after_join", lambda: None)()  # (part-way through a pass)
-            got[key] = leaf
-    print(f"pardist.checkpoint: joined the run at step {step} (the state from rank 0)", flush=True)
-    return _tree.tree_unflatten([got[key] for key, _ in named], treedef)
-
-
-def resume(path: str | os.PathLike, like: Any, *, total: int | None = None, key: str = "epoch"):
-    """The newest checkpoint in ``path`` loaded like ``like`` (``like`` itself if none),
-    saying on rank 0 what it did.
-
-    "resumed from ckpt/2 at epoch 2", "nothing left to do: epoch 3 of 3 already done"
-    (when ``state[key] >= total``), or "no checkpoint in ckpt: starting afresh"; and a
-    warning when the run's length changed since the checkpoint (``total`` against the
-    checkpoint's ``state['total']``, if the state keeps one): a schedule over the whole
-    run then changes its shape from here on.
-
-    Example:
-        >>> import pardist, tempfile, torch
-        >>> d = tempfile.mkdtemp()
-        >>> _ = pardist.checkpoint.save(d, {'w': torch.ones(1), 'epoch': 3}, step=3)
-        >>> state = pardist.checkpoint.resume(d, {'w': torch.zeros(1), 'epoch': 0}, total=3)
-        pardist.checkpoint: nothing left to do: epoch 3 of 3 already done (...)
-    """
-    if _rejoin.joining():  # a replacement (--keep-going): the survivors' state, not a file
-        return _joined(like)
-    _same_path(path, "pardist.checkpoint.resume")
-    state = last = None
-    for step in reversed(committed_steps(path)):  # the newest that reads back whole
-        try:
-            last = str(Path(path) / str(step))
-            state = load(last, like)
-            break
-        except CheckpointError as e:
-            import warnings
-
-            warnings.warn(f"{e} Skipped, for the checkpoint before it.", stacklevel=2)
-            state = last = None
-    if state is None:
-        _progress.print0(f"pardist.checkpoint: no checkpoint in {path}: starting afresh")
-        return like
-    done = state.get(key) if isinstance(state, dict) else None
-    if total is not None and isinstance(done, int) and done >= total:
-        _progress.print0(
-            f"pardist.checkpoint: nothing left to do: {key} {done} of {total} already done ({last})"
-        )
-    else:
-        at = f" at {key} {done}" if done is not None else ""
-        _progress.print0(f"pardist.checkpoint: resumed from {last}{at}")
-    saved = state.get("total") if isinstance(state, dict) else None
-    if total is not None and isinstance(saved, int) and saved != total:
-        import warnings
-
-        warnings.warn(
-            f"pardist.checkpoint.resume: the run's length changed since {last}: {saved} "
-            f"{key}s then, {total} now; a schedule over the whole run (one_cycle, "
-            "warmup_cosine) changes its shape from here on.",
-            stacklevel=2,
-        )
-    return state
+# (at the end: _resume uses the functions above)
+from pardist.checkpoint._resume import offer, resume  # noqa: E402
