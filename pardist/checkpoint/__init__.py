@@ -83,6 +83,16 @@ def _stateful(leaf: Any) -> bool:
     return not isinstance(leaf, torch.Tensor) and callable(getattr(leaf, "load_state_dict", None))
 
 
+def _as_data(tree: Any, where: str) -> list[tuple[str, Any]]:
+    """``tree``'s ``[(key, leaf)]``, loaders as their state dicts; a leaf that a load would
+    need code to rebuild is refused (``where`` names the caller)."""
+    named = [(k, leaf.state_dict() if _stateful(leaf) else leaf) for k, leaf in _flat(tree)[0]]
+    for key, leaf in named:  # what a load must read as data, never as code
+        if not isinstance(leaf, torch.Tensor):
+            _safe_dcp.check_leaf(key, leaf, where)
+    return named
+
+
 def _same_path(path: Any, where: str) -> None:
     """Every rank was given the same checkpoint path (else an error naming them, on every
     rank): a folder per rank (``tempfile.mkdtemp()`` on each) would have each rank read
@@ -169,11 +179,7 @@ def _save(path, tree: Any, step: int | None, keep: int | None) -> str:
     from torch.distributed.tensor import DTensor
 
     final = Path(path) / str(int(step)) if step is not None else Path(path)
-    named, _ = _flat(tree)
-    named = [(k, leaf.state_dict() if _stateful(leaf) else leaf) for k, leaf in named]
-    for key, leaf in named:  # what a load must read as data, never as code
-        if not isinstance(leaf, torch.Tensor):
-            _safe_dcp.check_leaf(key, leaf, "pardist.checkpoint.save")
+    named = _as_data(tree, "pardist.checkpoint.save")
     if _distributed() and dist.get_world_size() > 1:
         plain = [(p, leaf) for p, leaf in named if not isinstance(leaf, DTensor)]
         differs = _replication.mismatch(plain, dist.group.WORLD)

@@ -13,10 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from pardist.checkpoint import CheckpointError, _flat, _same_path, _stateful, load
-from pardist.runtime import _progress, _rejoin, _safe_dcp, _survive, _tree, committed_steps
+from pardist.checkpoint import CheckpointError, _as_data, _flat, _same_path, _stateful, load
+from pardist.runtime import _progress, _rejoin, _survive, _tree, committed_steps
 
 __all__ = ["offer", "resume"]
 
@@ -51,13 +49,9 @@ def offer(tree: Any, *, step: int | None = None) -> None:
     """
     if not _rejoin.replacing() or (_looked["at"] and not _survive.state()["expected"]):
         return  # (no replacement on its way: nothing to look at; the first call looks)
-    named, _ = _flat(tree)
-    named = [(k, leaf.state_dict() if _stateful(leaf) else leaf) for k, leaf in named]
-    for key, leaf in named:  # what the replacement's resume would refuse from a file too
-        if not isinstance(leaf, torch.Tensor):
-            _safe_dcp.check_leaf(key, leaf, "pardist.checkpoint.offer")
-    _looked["at"] = True
     where = "pardist.checkpoint.offer"
+    named = _as_data(tree, where)  # (what the replacement's resume refuses from a file too)
+    _looked["at"] = True
     _survive.again_if_lost(lambda: _rejoin.take_in(named, step, wait=False), where)
 
 
