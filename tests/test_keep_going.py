@@ -94,6 +94,43 @@ def test_random_kills_end_bit_identical_to_the_uninterrupted_run(uninterrupted, 
         assert _same(got, uninterrupted), (kills, got["losses"], uninterrupted["losses"])
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_a_rank_that_finished_a_pass_meets_the_others_still_in_its_last_call(uninterrupted, shm):
+    """A kill at the very end of a pass's last call: a survivor that the last collective's
+    message reached has finished the call and is already in the next pass's start check
+    (a collective outside the step) while another is still inside the call. The one still
+    inside takes the call's result from it, then meets it at that check (was: the two
+    regrouped into different collectives, and one timed out after 60 s)."""
+    rng = random.Random(7 + int(shm))
+    for _ in range(8):  # calls 3 and 7 end passes 1 and 2 (4 calls a pass)
+        kills = {rng.randrange(3): (rng.choice([3, 7]), rng.uniform(0.8, 1.0))}
+        got = _spawn(kills, shm)
+        assert got["world"] == 2, kills
+        assert _same(got, uninterrupted), (kills, got["losses"], uninterrupted["losses"])
+
+
+def test_the_survivors_plan_where_each_is_behind_past_or_too_far_apart():
+    """step._survivor.plan, the decision every survivor makes alike from every rank's
+    (step, calls finished, inside the step, outside where): checked case by case, since
+    a kill lands in each of them only now and then."""
+    from pardist.step._survivor import plan
+
+    inside, check = (1, 7, True, None), (1, 8, False, "check")
+    assert plan([check, inside]) == (0, {1}, set())  # finished, in the next pass's check
+    assert plan([(1, 8, True, None), inside, inside]) == (0, {1, 2}, set())  # in call 8
+    assert plan([check, (1, 8, True, None)]) == (None, set(), {0})  # one past the check
+    assert plan([check, check]) == (None, set(), set())  # both redo the check
+    assert plan([None, None]) == (None, set(), set())  # no step called yet
+    for apart in (
+        [(1, 9, True, None), inside],  # two calls apart
+        [(1, 8, False, "pardist.checkpoint.save"), (1, 8, True, None)],  # past a save
+        [(1, 7, False, "check"), (1, 8, True, None)],  # outside, behind
+    ):
+        with pytest.raises(RuntimeError, match="too far apart"):
+            plan(apart)
+
+
 def _launch(tmp_path: Path, *argv: str, shm: str = "1", timeout: float = 300, restarts=0):
     out = tmp_path / "out.pt"
     cmd = [sys.executable, "-m", "pardist.launch", "--nproc", "3", "--keep-going"]

@@ -267,7 +267,7 @@ class ShardedLoader:
         share = self._check and _process.is_initialized() and dist.get_world_size() > 1
         share, self._joined = share and self._joined != epoch, None  # (data._regroup.joined)
         if share:
-            _survive.again_if_lost(lambda: self._agree(epoch), _WHERE)
+            _survive.again_if_lost(lambda: self._agree(epoch), _WHERE, check=True)
         order = self._order(epoch, share)
         self._indices.indices = self._cut(order, skip).tolist()
         self._current, self._position = epoch, skip

@@ -40,6 +40,8 @@ __all__ = [
     "launch_rank",
     "launcher_view",
     "members_key",
+    "on_caught_up",
+    "place",
     "on_regroup",
     "on_reread",
     "publish",
@@ -55,6 +57,7 @@ ID = "PARDIST_KEEP_GOING_ID"  # a replacement's name in memberships (runtime._re
 _WAIT_S = 20.0  # how long a rank whose step failed waits for the launcher's word
 _state: dict = {"store": None, "generation": 0, "members": None, "expected": []}
 _hooks: list[Callable[[int, int], None]] = []
+_catchers: list[Callable[[], None]] = []
 _rereaders: list[Callable] = []
 
 
@@ -126,6 +129,13 @@ def on_regroup(hook: Callable[[int, int], None]) -> None:
         _hooks.append(hook)
 
 
+def on_caught_up(catch_up: Callable[[], None]) -> None:
+    """Call ``catch_up()`` on every survivor right after each regroup, wherever it saw the
+    loss: its collectives are the first of the new group on every rank (step._survivor)."""
+    if catch_up not in _catchers:
+        _catchers.append(catch_up)
+
+
 def on_reread(reader: Callable) -> None:
     """``reader(batch)``: this rank's share, in the new group, of the global batch that
     ``batch`` was a share of (a loader's), or None where ``batch`` is not one of its."""
@@ -142,10 +152,12 @@ def reread(batch):
     return None
 
 
-def again_if_lost(fn: Callable, where: str):
+def again_if_lost(fn: Callable, where: str, check: bool = False):
     """``fn()`` outside any step (a loader's check at the start of a pass, a checkpoint's
     save); where a peer was lost in it under --keep-going, ``fn()`` again over the
-    survivors (as often as ranks are lost)."""
+    survivors (as often as ranks are lost). ``check``: ``fn`` only checks that the ranks
+    agree, so a rank whose peers all got past it (into the next call of the step) skips
+    it instead (step._survivor's catch-up decides, the same on every rank)."""
     if not enabled() or _state["store"] is None:
         return fn()
     while True:
@@ -155,7 +167,23 @@ def again_if_lost(fn: Callable, where: str):
         except _faults.KEEP_GOING_ON as error:
             from pardist.runtime import _process
 
-            regroup(error, _process.leave, _process.join)
+            _place.update(outside="check" if check else where, skip=False)
+            try:
+                regroup(error, _process.leave, _process.join)
+            finally:
+                _place["outside"] = None
+            if _place["skip"]:
+                return None
+
+
+def place() -> dict:
+    """Where this rank is regrouping from: ``outside`` a step (None inside one: "check"
+    for a check the others may have passed, else the collective's name), and whether it
+    is to ``skip`` that check (set by the catch-up)."""
+    return _place
+
+
+_place: dict = {"outside": None, "skip": False}
 
 
 def state() -> dict:
@@ -262,6 +290,18 @@ def regroup(error: BaseException, leave: Callable, start: Callable) -> dict:
     store = _state["store"]
     if not enabled() or store is None:
         raise error
+    while True:
+        word = _regroup_once(store, error, leave, start)
+        try:  # a loss while the survivors compare where they are: regroup again
+            with _faults.collective_errors("pardist (--keep-going)", dist.group.WORLD):
+                for catch_up in _catchers:
+                    catch_up()
+            return word
+        except _faults.KEEP_GOING_ON as again:
+            error = again
+
+
+def _regroup_once(store, error: BaseException, leave: Callable, start: Callable) -> dict:
     generation = _wait_for_word(store, error)
     _let_go(error)
     leave()  # first: a survivor still in one of its collectives is waiting for this one

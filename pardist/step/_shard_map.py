@@ -221,6 +221,8 @@ class Step:
             self._groups[(id(mesh), axes)] = ref
         if ref is None:
             return self._call(mesh, axes, args, kwargs)
+        if self.keep_going:
+            _survivor.called(self)  # (what the survivors of a loss compare)
         if self.key is None:
             self.key = _handshake.key(self.where, self.fn)
             if self.keep_going:  # a replacement's first call: the survivors' next one
