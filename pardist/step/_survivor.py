@@ -104,6 +104,9 @@ def _catch_up(inside) -> None:
     survivor that finished it may already be past the step, in the next collective
     outside it. Those still inside the call take its result from one that finished it."""
     last = _recent[0]() if _recent[0] is not None else None
+    if inside is not None:  # (what an attempt cut short by a further loss decided goes)
+        inside._caught = None
+    _survive.place()["skip"] = False
     outside = _survive.place()["outside"]
     mine = None if last is None else (last.key, last.calls, last is inside, outside)
     everyone = [None] * dist.get_world_size()
